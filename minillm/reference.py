@@ -1,0 +1,37 @@
+"""The reference implementations minillm is checked against (HF ``tokenizers``/``transformers``).
+
+These are test and benchmark dependencies (``pip install -e .[dev]``), imported only when a
+function here is called. Each reference is built *independently* of minillm's own loaders, so
+a parity check compares two separate readings of the same files.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from minillm.assets import default_gguf_path, gpt2_vocab_dir
+
+
+def hf_gpt2_tokenizer(folder: Path | None = None) -> Any:
+    """GPT-2 as HF ``tokenizers`` builds it from ``encoder.json`` + ``vocab.bpe``."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    folder = folder or gpt2_vocab_dir()
+    tok = Tokenizer(models.BPE.from_file(str(folder / "encoder.json"), str(folder / "vocab.bpe")))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken("<|endoftext|>", special=True)])
+    return tok
+
+
+@cache
+def hf_gguf_tokenizer(gguf_path: Path | None = None) -> Any:
+    """The transformers tokenizer read from a GGUF file (offline), e.g. SmolLM2's."""
+    from transformers import AutoTokenizer
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    path = gguf_path or default_gguf_path()
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

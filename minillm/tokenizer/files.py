@@ -1,0 +1,312 @@
+"""Reading and writing tokenizer files: HF ``tokenizer.json``, GGUF, and GPT-2's original files.
+
+All three store the same three things: the vocabulary (token string -> id, with bytes shown
+through GPT-2's byte<->unicode map), the merges in rank order, and the special tokens. Only
+JSON and GGUF are read; nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from minillm.errors import FileFormatError
+from minillm.tokenizer.bpe import Pair, Tokenizer
+from minillm.tokenizer.bytes_unicode import bytes_to_token, token_to_bytes
+from minillm.tokenizer.pretokenize import GGUF_PRE_PATTERNS, PreTokenizer
+
+# GGUF token types (llama.cpp's llama_token_type)
+_GGUF_CONTROL = 3
+_GGUF_USER_DEFINED = 4
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """Load a tokenizer from a ``tokenizer.json``, a ``.gguf`` file, or a folder holding either
+    ``tokenizer.json``, GPT-2's ``encoder.json`` + ``vocab.bpe``, or ``vocab.json`` + ``merges.txt``."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no tokenizer at {path}: the path does not exist")
+    if path.is_dir():
+        if (path / "tokenizer.json").is_file():
+            return _load_tokenizer_json(path / "tokenizer.json")
+        for vocab_name, merges_name in (("encoder.json", "vocab.bpe"), ("vocab.json", "merges.txt")):
+            if (path / vocab_name).is_file() and (path / merges_name).is_file():
+                return _load_gpt2_files(path / vocab_name, path / merges_name)
+        raise FileNotFoundError(
+            f"{path} holds no tokenizer: expected tokenizer.json, encoder.json + vocab.bpe, "
+            "or vocab.json + merges.txt"
+        )
+    if path.suffix == ".gguf":
+        return _load_gguf(path)
+    if path.suffix == ".json":
+        return _load_tokenizer_json(path)
+    raise FileFormatError(f"{path}: unknown tokenizer file type (expected .json, .gguf or a folder)")
+
+
+# ------------------------------------------------------------------------------ shared helpers
+def _build(path: Path, **kwargs: Any) -> Tokenizer:
+    """Construct the Tokenizer, turning a consistency problem into an error naming the file."""
+    try:
+        return Tokenizer(**kwargs)
+    except ValueError as err:
+        raise FileFormatError(f"{path}: {err}") from None
+
+
+def _vocab_from_strings(path: Path, token_to_id: dict[str, int], special: dict[str, int]) -> dict[int, bytes]:
+    vocab: dict[int, bytes] = {}
+    for token, i in token_to_id.items():
+        if not isinstance(i, int):
+            raise FileFormatError(f"{path}: the id of token {token!r} is {i!r}, not an int")
+        try:
+            vocab[i] = token_to_bytes(token)
+        except ValueError as err:
+            if token in special:  # e.g. a special token written with non-byte-level characters
+                continue
+            raise FileFormatError(f"{path}: {err}") from None
+    return vocab
+
+
+def _merges_from_strings(path: Path, lines: list[Any], token_to_id: dict[str, int]) -> list[Pair]:
+    merges: list[Pair] = []
+    for n, line in enumerate(lines):
+        parts = line.split(" ") if isinstance(line, str) else line
+        if len(parts) != 2:
+            raise FileFormatError(f"{path}: merge #{n} {line!r} is not a pair of tokens")
+        a, b = parts
+        if a not in token_to_id or b not in token_to_id:
+            raise FileFormatError(f"{path}: merge #{n} {line!r} uses a token that is not in the vocabulary")
+        merges.append((token_to_id[a], token_to_id[b]))
+    return merges
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise FileFormatError(f"{path}: not valid JSON ({err})") from None
+
+
+# ------------------------------------------------------------------------------ GPT-2's files
+def _load_gpt2_files(vocab_path: Path, merges_path: Path) -> Tokenizer:
+    token_to_id = _read_json(vocab_path)
+    if not isinstance(token_to_id, dict):
+        raise FileFormatError(f"{vocab_path}: expected a JSON object mapping tokens to ids")
+    lines = merges_path.read_text(encoding="utf-8").splitlines()
+    lines = [line for line in lines if line and not line.startswith("#version")]
+    special = {t: i for t, i in token_to_id.items() if t == "<|endoftext|>"}
+    vocab = _vocab_from_strings(vocab_path, token_to_id, special)
+    merges = _merges_from_strings(merges_path, lines, token_to_id)
+    eos = "<|endoftext|>" if special else None
+    return _build(vocab_path, vocab=vocab, merges=merges, special_tokens=special, bos_token=eos, eos_token=eos)
+
+
+# ------------------------------------------------------------------------------ tokenizer.json
+def _load_tokenizer_json(path: Path) -> Tokenizer:
+    spec = _read_json(path)
+    model = spec.get("model") if isinstance(spec, dict) else None
+    if not isinstance(model, dict) or "vocab" not in model or "merges" not in model:
+        raise FileFormatError(f"{path}: no BPE model with 'vocab' and 'merges' in it")
+    if model.get("type", "BPE") != "BPE" or model.get("byte_fallback"):
+        raise FileFormatError(f"{path}: model {model.get('type')!r} is not byte-level BPE (the kind minillm reads)")
+    special = {t["content"]: t["id"] for t in spec.get("added_tokens", [])}
+    vocab = _vocab_from_strings(path, model["vocab"], special)
+    merges = _merges_from_strings(path, model["merges"], model["vocab"])
+    try:
+        pretokenizer = PreTokenizer.from_hf(spec.get("pre_tokenizer"))
+    except ValueError as err:
+        raise FileFormatError(f"{path}: {err}") from None
+    normalizer = spec.get("normalizer")
+    if normalizer not in (None, {"type": "NFC"}):
+        raise FileFormatError(f"{path}: normalizer {normalizer} is not supported (only NFC)")
+
+    config_path = path.parent / "tokenizer_config.json"
+    config = _read_json(config_path) if config_path.is_file() else {}
+    prefix, suffix = _template_specials(spec.get("post_processor"))
+    bos = _token_name(config.get("bos_token")) or (prefix[0] if prefix else None)
+    eos = _token_name(config.get("eos_token")) or (suffix[0] if suffix else None)
+    return _build(
+        path,
+        vocab=vocab,
+        merges=merges,
+        special_tokens=special,
+        pretokenizer=pretokenizer,
+        bos_token=bos if bos in special else None,
+        eos_token=eos if eos in special else None,
+        pad_token=_present(_token_name(config.get("pad_token")), special),
+        add_bos=bool(config.get("add_bos_token", bool(prefix))),
+        add_eos=bool(config.get("add_eos_token", bool(suffix))),
+        chat_template=config.get("chat_template"),
+        nfc=normalizer is not None,
+    )
+
+
+def _token_name(value: Any) -> str | None:
+    """tokenizer_config.json writes a role either as a string or as {"content": ...}."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _present(token: str | None, special: dict[str, int]) -> str | None:
+    return token if token in special else None
+
+
+def _template_specials(post_processor: dict[str, Any] | None) -> tuple[list[str], list[str]]:
+    """Special tokens a TemplateProcessing post-processor puts before and after the text."""
+    if not post_processor:
+        return [], []
+    processors = post_processor.get("processors", [post_processor])
+    for processor in processors:
+        if processor.get("type") == "TemplateProcessing":
+            prefix: list[str] = []
+            suffix: list[str] = []
+            seen_text = False
+            for piece in processor.get("single", []):
+                if "Sequence" in piece:
+                    seen_text = True
+                elif "SpecialToken" in piece:
+                    (suffix if seen_text else prefix).append(piece["SpecialToken"]["id"])
+            return prefix, suffix
+    return [], []
+
+
+def save_tokenizer(tokenizer: Tokenizer, path: str | Path) -> None:
+    """Write ``tokenizer.json`` (loadable by HF ``tokenizers``) and a ``tokenizer_config.json``
+    beside it holding the chat template and the BOS/EOS/PAD roles."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    special_ids = set(tokenizer.special_tokens.values())
+    vocab = {bytes_to_token(data): i for i, data in sorted(tokenizer.vocab.items()) if i not in special_ids}
+    vocab.update({content: i for content, i in tokenizer.special_tokens.items() if i in tokenizer.vocab})
+    merges = [f"{tokenizer.id_to_token(a)} {tokenizer.id_to_token(b)}" for a, b in tokenizer.merges]
+    added = [
+        {
+            "id": i,
+            "content": content,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
+        for content, i in sorted(tokenizer.special_tokens.items(), key=lambda item: item[1])
+    ]
+    spec = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": {"type": "NFC"} if tokenizer.nfc else None,
+        "pre_tokenizer": tokenizer.pretokenizer.to_hf(),
+        "post_processor": _template_processor(tokenizer),
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": vocab,
+            "merges": merges,
+        },
+    }
+    path.write_text(json.dumps(spec, ensure_ascii=False, indent=1), encoding="utf-8")
+
+    def name(token_id: int | None) -> str | None:
+        return tokenizer.id_to_token(token_id) if token_id is not None else None
+
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": name(tokenizer.bos_id),
+        "eos_token": name(tokenizer.eos_id),
+        "pad_token": name(tokenizer.pad_id),
+        "add_bos_token": tokenizer.add_bos,
+        "add_eos_token": tokenizer.add_eos,
+        "chat_template": tokenizer.chat_template,
+    }
+    (path.parent / "tokenizer_config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
+
+
+def _template_processor(tokenizer: Tokenizer) -> dict[str, Any] | None:
+    prefix = [tokenizer.bos_id] if tokenizer.add_bos and tokenizer.bos_id is not None else []
+    suffix = [tokenizer.eos_id] if tokenizer.add_eos and tokenizer.eos_id is not None else []
+    if not prefix and not suffix:
+        return None
+
+    def special(token_id: int) -> dict[str, Any]:
+        return {"SpecialToken": {"id": tokenizer.id_to_token(token_id), "type_id": 0}}
+
+    single = [special(i) for i in prefix] + [{"Sequence": {"id": "A", "type_id": 0}}] + [special(i) for i in suffix]
+    return {
+        "type": "TemplateProcessing",
+        "single": single,
+        "pair": single + [{"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {
+            tokenizer.id_to_token(i): {"id": tokenizer.id_to_token(i), "ids": [i], "tokens": [tokenizer.id_to_token(i)]}
+            for i in prefix + suffix
+        },
+    }
+
+
+# ------------------------------------------------------------------------------ GGUF
+def read_gguf_fields(path: Path) -> dict[str, Any]:
+    """All metadata key/values of a GGUF file, decoded to Python values (read with ``gguf``)."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as err:  # gguf raises ValueError/struct errors/IndexError on bad files
+        raise FileFormatError(f"{path}: not a readable GGUF file ({type(err).__name__}: {err})") from None
+    return {name: field.contents() for name, field in reader.fields.items()}
+
+
+def tokenizer_from_gguf_fields(path: Path, fields: dict[str, Any]) -> Tokenizer:
+    """Build the tokenizer stored in GGUF metadata (keys ``tokenizer.ggml.*``)."""
+
+    def need(key: str) -> Any:
+        if key not in fields:
+            raise FileFormatError(f"{path}: GGUF metadata has no {key!r}")
+        return fields[key]
+
+    kind = need("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise FileFormatError(f"{path}: tokenizer model {kind!r} is not supported (minillm reads byte-level BPE, 'gpt2')")
+    pre = fields.get("tokenizer.ggml.pre", "default")
+    if pre not in GGUF_PRE_PATTERNS:
+        raise FileFormatError(
+            f"{path}: pre-tokenizer {pre!r} is not supported (known: {', '.join(sorted(GGUF_PRE_PATTERNS))})"
+        )
+    tokens: list[str] = need("tokenizer.ggml.tokens")
+    types: list[int] = fields.get("tokenizer.ggml.token_type", [1] * len(tokens))
+    token_to_id = {token: i for i, token in enumerate(tokens)}
+    special = {tokens[i]: i for i, t in enumerate(types) if t in (_GGUF_CONTROL, _GGUF_USER_DEFINED)}
+    vocab = _vocab_from_strings(path, token_to_id, special)
+    merges = _merges_from_strings(path, need("tokenizer.ggml.merges"), token_to_id)
+
+    def role(key: str) -> str | None:
+        i = fields.get(f"tokenizer.ggml.{key}_token_id")
+        return tokens[i] if i is not None and 0 <= i < len(tokens) and tokens[i] in special else None
+
+    return _build(
+        path,
+        vocab=vocab,
+        merges=merges,
+        special_tokens=special,
+        pretokenizer=PreTokenizer(GGUF_PRE_PATTERNS[pre]),
+        bos_token=role("bos"),
+        eos_token=role("eos"),
+        pad_token=role("padding"),
+        add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", False)),
+        add_eos=bool(fields.get("tokenizer.ggml.add_eos_token", False)),
+        chat_template=fields.get("tokenizer.chat_template"),
+    )
+
+
+def _load_gguf(path: Path) -> Tokenizer:
+    return tokenizer_from_gguf_fields(path, read_gguf_fields(path))
