@@ -35,3 +35,15 @@ def hf_gguf_tokenizer(gguf_path: Path | None = None) -> Any:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     path = gguf_path or default_gguf_path()
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+@cache
+def hf_gguf_model(gguf_path: Path | None = None) -> Any:
+    """transformers' own model read from the same GGUF file (float32, CPU, eval mode)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    path = gguf_path or default_gguf_path()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return model.eval()

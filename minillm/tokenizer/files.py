@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from minillm.errors import FileFormatError
+from minillm.gguf_io import gguf_fields, open_gguf
 from minillm.tokenizer.bpe import Pair, Tokenizer
 from minillm.tokenizer.bytes_unicode import bytes_to_token, token_to_bytes
 from minillm.tokenizer.pretokenize import GGUF_PRE_PATTERNS, PreTokenizer
@@ -255,17 +256,6 @@ def _template_processor(tokenizer: Tokenizer) -> dict[str, Any] | None:
 
 
 # ------------------------------------------------------------------------------ GGUF
-def read_gguf_fields(path: Path) -> dict[str, Any]:
-    """All metadata key/values of a GGUF file, decoded to Python values (read with ``gguf``)."""
-    import gguf
-
-    try:
-        reader = gguf.GGUFReader(path)
-    except Exception as err:  # gguf raises ValueError/struct errors/IndexError on bad files
-        raise FileFormatError(f"{path}: not a readable GGUF file ({type(err).__name__}: {err})") from None
-    return {name: field.contents() for name, field in reader.fields.items()}
-
-
 def tokenizer_from_gguf_fields(path: Path, fields: dict[str, Any]) -> Tokenizer:
     """Build the tokenizer stored in GGUF metadata (keys ``tokenizer.ggml.*``)."""
 
@@ -309,4 +299,4 @@ def tokenizer_from_gguf_fields(path: Path, fields: dict[str, Any]) -> Tokenizer:
 
 
 def _load_gguf(path: Path) -> Tokenizer:
-    return tokenizer_from_gguf_fields(path, read_gguf_fields(path))
+    return tokenizer_from_gguf_fields(path, gguf_fields(open_gguf(path)))

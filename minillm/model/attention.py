@@ -1,0 +1,87 @@
+"""Scaled dot-product attention with grouped-query heads.
+
+Each query scores every key it may see, ``q . k / sqrt(head_dim)``, turns the scores into
+weights with a softmax, and returns the weighted sum of the values. Dividing by
+``sqrt(head_dim)`` keeps the scores' variance at ~1 whatever the head size: without it, large
+heads push the softmax into saturation (one weight ~1, the rest ~0) and gradients vanish.
+
+Two implementations compute the same thing: ``attention_explicit`` spells out the math for
+teaching; ``attention_sdpa`` calls PyTorch's fused kernel. Tests check they agree.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from minillm.model.config import ModelConfig
+from minillm.model.rope import apply_rope
+
+
+def build_mask(attention_mask: torch.Tensor | None, q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
+    """Boolean [batch or 1, 1, q_len, k_len] mask, True where a query may attend to a key.
+
+    Causal: the queries are the *last* ``q_len`` of ``k_len`` positions, and each sees the keys
+    up to itself. Padding: keys whose ``attention_mask`` is 0 are hidden from every query. A
+    query row that would see nothing at all (a left-pad slot) is allowed to see everything
+    instead, which keeps its (ignored) output finite rather than NaN.
+    """
+    q_pos = torch.arange(k_len - q_len, k_len, device=device)[:, None]
+    k_pos = torch.arange(k_len, device=device)[None, :]
+    mask = (k_pos <= q_pos)[None, None]
+    if attention_mask is not None:
+        mask = mask & attention_mask[:, None, None, -k_len:].bool()
+        mask = mask | ~mask.any(dim=-1, keepdim=True)
+    return mask
+
+
+def repeat_kv(x: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """[batch, n_kv_heads, seq, head_dim] -> [batch, n_kv_heads * n_groups, seq, head_dim]:
+    each KV head is shared by ``n_groups`` consecutive query heads."""
+    if n_groups == 1:
+        return x
+    batch, n_kv_heads, seq, head_dim = x.shape
+    return x[:, :, None].expand(batch, n_kv_heads, n_groups, seq, head_dim).reshape(batch, -1, seq, head_dim)
+
+
+def attention_explicit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + mask) v, written out. q: [b, h, tq, d]; k, v: [b, h, tk, d]."""
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    return weights @ v
+
+
+def attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The same computation through ``torch.nn.functional.scaled_dot_product_attention``."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+class Attention(torch.nn.Module):
+    """Multi-head attention with grouped-query K/V heads and rotary positions."""
+
+    def __init__(self, config: ModelConfig, use_sdpa: bool = True):
+        super().__init__()
+        self.n_heads = config.n_heads
+        self.n_kv_heads = config.n_kv_heads
+        self.head_dim = config.head_dim
+        self.use_sdpa = use_sdpa
+        bias = config.attention_bias
+        self.q_proj = torch.nn.Linear(config.hidden_size, config.n_heads * config.head_dim, bias=bias)
+        self.k_proj = torch.nn.Linear(config.hidden_size, config.n_kv_heads * config.head_dim, bias=bias)
+        self.v_proj = torch.nn.Linear(config.hidden_size, config.n_kv_heads * config.head_dim, bias=bias)
+        self.o_proj = torch.nn.Linear(config.n_heads * config.head_dim, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q = self.q_proj(x).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        n_groups = self.n_heads // self.n_kv_heads
+        k, v = repeat_kv(k, n_groups), repeat_kv(v, n_groups)
+        attend = attention_sdpa if self.use_sdpa else attention_explicit
+        out = attend(q, k, v, mask)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))

@@ -1,0 +1,130 @@
+"""The Llama-family decoder: embeddings, N pre-norm blocks, a final norm and the LM head.
+
+Each block is ``x + attention(norm(x))`` then ``x + mlp(norm(x))``: the residual stream
+carries the signal through all layers, and each sub-layer reads a normalized copy of it
+("pre-norm"), which is what keeps deep stacks stable.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minillm.model.attention import Attention, build_mask
+from minillm.model.config import ModelConfig
+from minillm.model.layers import RMSNorm, SwiGLU
+from minillm.model.rope import RotaryEmbedding
+
+
+class Block(torch.nn.Module):
+    """One decoder layer: pre-norm attention and pre-norm SwiGLU, each with a residual."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(torch.nn.Module):
+    """A Llama-family causal language model: ``model(input_ids)`` -> logits [batch, seq, vocab].
+
+    Parameter names follow the transformers checkpoints (``layers.0.self_attn.q_proj.weight``,
+    without the leading ``model.``), so an HF state dict maps onto it one to one.
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = torch.nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = torch.nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def set_attention_backend(self, backend: str) -> None:
+        """'sdpa' (PyTorch's fused kernel, the default) or 'explicit' (the math written out)."""
+        if backend not in ("sdpa", "explicit"):
+            raise ValueError(f"attention backend must be 'sdpa' or 'explicit', got {backend!r}")
+        for layer in self.layers:
+            layer.self_attn.use_sdpa = backend == "sdpa"
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits [batch, seq, vocab] for ``input_ids`` [batch, seq].
+
+        ``attention_mask`` (1 = real token, 0 = padding) lets a left-padded batch give each row
+        the logits it would get alone; positions then count real tokens only.
+        """
+        input_ids = self._check_input_ids(input_ids)
+        batch, seq = input_ids.shape
+        if attention_mask is not None:
+            attention_mask = self._check_like(attention_mask, input_ids, "attention_mask")
+        if position_ids is None:
+            if attention_mask is not None:
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+            else:
+                position_ids = torch.arange(seq, device=input_ids.device).expand(batch, seq)
+        else:
+            position_ids = self._check_like(position_ids, input_ids, "position_ids")
+        if int(position_ids.max()) >= self.config.max_position_embeddings:
+            raise ValueError(
+                f"position {int(position_ids.max())} is past the context window of "
+                f"{self.config.max_position_embeddings} tokens"
+            )
+        cos, sin = self.rotary(position_ids, self.dtype)
+        mask = build_mask(attention_mask, seq, seq, input_ids.device)
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask)
+        return self.lm_head(self.norm(x))
+
+    def _check_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.long, torch.int32):
+            raise TypeError(
+                f"input_ids must be an integer torch.Tensor [batch, seq], got {type(input_ids).__name__}"
+                + (f" of dtype {input_ids.dtype}" if isinstance(input_ids, torch.Tensor) else "")
+            )
+        if input_ids.dim() == 1:
+            input_ids = input_ids[None]
+        if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+            raise ValueError(f"input_ids must have shape [batch, seq] with seq >= 1, got {list(input_ids.shape)}")
+        if input_ids.shape[1] > self.config.max_position_embeddings:
+            raise ValueError(
+                f"the prompt has {input_ids.shape[1]} tokens, more than the context window of "
+                f"{self.config.max_position_embeddings}"
+            )
+        low, high = int(input_ids.min()), int(input_ids.max())
+        if low < 0 or high >= self.config.vocab_size:
+            bad = low if low < 0 else high
+            raise ValueError(f"token id {bad} is outside the embedding table (vocab_size {self.config.vocab_size})")
+        return input_ids.to(self.device)
+
+    def _check_like(self, tensor: torch.Tensor, input_ids: torch.Tensor, name: str) -> torch.Tensor:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dim() == 1:
+            tensor = tensor[None]
+        if tensor.shape != input_ids.shape:
+            raise ValueError(f"{name} has shape {list(tensor.shape)} but input_ids has {list(input_ids.shape)}")
+        return tensor.to(self.device)
