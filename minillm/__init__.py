@@ -6,14 +6,19 @@ The pipeline, in the order the course builds it::
 """
 
 from minillm.errors import FileFormatError, MinillmError
+from minillm.model import ModelConfig, Transformer, load_model, validate
 from minillm.tokenizer import BatchEncoding, StreamingDetokenizer, Tokenizer, train_bpe
 
 __all__ = [
     "BatchEncoding",
     "FileFormatError",
     "MinillmError",
+    "ModelConfig",
     "StreamingDetokenizer",
     "Tokenizer",
+    "Transformer",
+    "load_model",
     "train_bpe",
+    "validate",
 ]
 __version__ = "0.1.0"
