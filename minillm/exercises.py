@@ -45,6 +45,9 @@ def check(
             print(f"   (comparing the result failed: {type(err).__name__}: {err})")
         if not ok:
             print(f"❌ {name}: {call} returned {_short(got)}, expected {_short(expected)}.")
+            where = _first_difference(got, expected)
+            if where:
+                print(f"   {where}")
             _print_hint(hint)
             return False
     print(f"✅ {name}: all {len(cases)} checks pass.")
@@ -56,6 +59,18 @@ def _print_hint(hint: str) -> None:
         print(f"   Hint: {hint}")
 
 
-def _short(value: Any, limit: int = 80) -> str:
+def _first_difference(got: Any, expected: Any) -> str:
+    """For two sequences, where they first differ (long values are cut in the message above)."""
+    if not isinstance(got, (list, tuple, str)) or not isinstance(expected, (list, tuple, str)):
+        return ""
+    for i, (a, b) in enumerate(zip(got, expected)):
+        if a != b:
+            return f"first difference at index {i}: {a!r} instead of {b!r}"
+    if len(got) != len(expected):
+        return f"lengths differ: {len(got)} instead of {len(expected)}"
+    return ""
+
+
+def _short(value: Any, limit: int = 120) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."

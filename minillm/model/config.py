@@ -58,8 +58,13 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
-        """Read a transformers ``config.json``."""
+        """Read a transformers ``config.json`` (old style ``rope_theta`` + ``rope_scaling``, or
+        transformers 5's ``rope_parameters``)."""
         architecture = hf.get("model_type", "llama")
+        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        rope_theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        rope_scaling = {**rope, "rope_type": rope_type} if rope_type != "default" else None
         try:
             return cls(
                 vocab_size=hf["vocab_size"],
@@ -70,8 +75,8 @@ class ModelConfig:
                 intermediate_size=hf["intermediate_size"],
                 head_dim=hf.get("head_dim") or 0,
                 rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-                rope_theta=hf.get("rope_theta", 10000.0),
-                rope_scaling=hf.get("rope_scaling"),
+                rope_theta=rope_theta,
+                rope_scaling=rope_scaling,
                 max_position_embeddings=hf.get("max_position_embeddings", 2048),
                 tie_word_embeddings=hf.get("tie_word_embeddings", False),
                 attention_bias=hf.get("attention_bias", architecture == "qwen2"),

@@ -129,10 +129,13 @@ class Tokenizer:
         return self.special_tokens[token]
 
     # ----------------------------------------------------------------------------- encoding
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of ``text``. Special-token strings inside it become their ids.
+    def encode(self, text: str, add_special_tokens: bool = False, parse_special: bool = True) -> list[int]:
+        """Token ids of ``text``.
 
-        ``add_special_tokens=True`` also adds BOS/EOS where the tokenizer's config asks for them
+        Special-token strings inside the text (``<|im_end|>``) become their ids, as HF
+        ``tokenizers`` does. For untrusted text pass ``parse_special=False``: they are then
+        encoded as plain characters, so a user cannot forge a turn of the chat template.
+        ``add_special_tokens=True`` adds BOS/EOS where the tokenizer's config asks for them
         (SmolLM2 and GPT-2 add none).
         """
         if not isinstance(text, str):
@@ -140,7 +143,8 @@ class Tokenizer:
         ids: list[int] = []
         if add_special_tokens and self.add_bos and self.bos_id is not None:
             ids.append(self.bos_id)
-        for piece, special_id in self._split_special(text):
+        pieces = self._split_special(text) if parse_special else [(text, None)]
+        for piece, special_id in pieces:
             if special_id is None:
                 self._encode_ordinary(piece, ids)
             else:

@@ -174,9 +174,10 @@ def _template_specials(post_processor: dict[str, Any] | None) -> tuple[list[str]
 
 def save_tokenizer(tokenizer: Tokenizer, path: str | Path) -> None:
     """Write ``tokenizer.json`` (loadable by HF ``tokenizers``) and a ``tokenizer_config.json``
-    beside it holding the chat template and the BOS/EOS/PAD roles."""
+    beside it holding the chat template and the BOS/EOS/PAD roles. ``path`` is a ``.json``
+    file or a folder (created if needed)."""
     path = Path(path)
-    if path.is_dir():
+    if path.suffix != ".json":  # a folder, existing or not
         path = path / "tokenizer.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     special_ids = set(tokenizer.special_tokens.values())

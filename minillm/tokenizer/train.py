@@ -44,8 +44,8 @@ def train_bpe(
     """Learn a byte-level BPE tokenizer of ``vocab_size`` tokens from ``text``.
 
     The vocabulary is the 256 bytes, then one token per merge, then the special tokens (so
-    ``vocab_size = 256 + merges + len(special_tokens)``). Training stops early if no pair
-    occurs at least twice... or at all: a tiny corpus may give a smaller vocabulary.
+    ``vocab_size = 256 + merges + len(special_tokens)``). Training stops early when no
+    adjacent pair is left to merge, so a tiny corpus may give a smaller vocabulary.
     """
     if not isinstance(text, str):
         raise TypeError(f"train_bpe() expects the corpus as a str, got {type(text).__name__}")
