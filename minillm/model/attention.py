@@ -12,12 +12,16 @@ teaching; ``attention_sdpa`` calls PyTorch's fused kernel. Tests check they agre
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from minillm.model.config import ModelConfig
 from minillm.model.rope import apply_rope
+
+if TYPE_CHECKING:
+    from minillm.cache.base import KVCache
 
 
 def build_mask(attention_mask: torch.Tensor | None, q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
@@ -62,8 +66,9 @@ def attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
 class Attention(torch.nn.Module):
     """Multi-head attention with grouped-query K/V heads and rotary positions."""
 
-    def __init__(self, config: ModelConfig, use_sdpa: bool = True):
+    def __init__(self, config: ModelConfig, layer_idx: int = 0, use_sdpa: bool = True):
         super().__init__()
+        self.layer_idx = layer_idx
         self.n_heads = config.n_heads
         self.n_kv_heads = config.n_kv_heads
         self.head_dim = config.head_dim
@@ -74,12 +79,23 @@ class Attention(torch.nn.Module):
         self.v_proj = torch.nn.Linear(config.hidden_size, config.n_kv_heads * config.head_dim, bias=bias)
         self.o_proj = torch.nn.Linear(config.n_heads * config.head_dim, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """``x`` [batch, seq, hidden] -> [batch, seq, hidden]. With a ``cache``, the new keys and
+        values are stored and attention runs over everything stored so far."""
         batch, seq, _ = x.shape
         q = self.q_proj(x).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v)
         n_groups = self.n_heads // self.n_kv_heads
         k, v = repeat_kv(k, n_groups), repeat_kv(v, n_groups)
         attend = attention_sdpa if self.use_sdpa else attention_explicit

@@ -7,6 +7,8 @@ carries the signal through all layers, and each sub-layer reads a normalized cop
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from minillm.model.attention import Attention, build_mask
@@ -14,19 +16,24 @@ from minillm.model.config import ModelConfig
 from minillm.model.layers import RMSNorm, SwiGLU
 from minillm.model.rope import RotaryEmbedding
 
+if TYPE_CHECKING:
+    from minillm.cache.base import KVCache
+
 
 class Block(torch.nn.Module):
     """One decoder layer: pre-norm attention and pre-norm SwiGLU, each with a residual."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, cache: KVCache | None
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -41,7 +48,7 @@ class Transformer(torch.nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = torch.nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = torch.nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.layers = torch.nn.ModuleList(Block(config, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -70,33 +77,49 @@ class Transformer(torch.nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        last_only: bool = False,
     ) -> torch.Tensor:
         """Logits [batch, seq, vocab] for ``input_ids`` [batch, seq].
 
         ``attention_mask`` (1 = real token, 0 = padding) lets a left-padded batch give each row
-        the logits it would get alone; positions then count real tokens only.
+        the logits it would get alone; positions then count real tokens only. With a ``cache``
+        the ids are only the *new* tokens: keys and values of earlier ones come from the cache
+        (and ``attention_mask``, if any, covers earlier and new tokens). ``last_only`` computes
+        the logits of the last position only — all that generation needs.
         """
         input_ids = self._check_input_ids(input_ids)
         batch, seq = input_ids.shape
+        past = cache.past_length if cache is not None else 0
         if attention_mask is not None:
-            attention_mask = self._check_like(attention_mask, input_ids, "attention_mask")
+            attention_mask = self._check_mask(attention_mask, batch, past + seq)
         if position_ids is None:
             if attention_mask is not None:
-                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -seq:]
+            elif cache is not None:
+                position_ids = cache.positions(seq)
             else:
                 position_ids = torch.arange(seq, device=input_ids.device).expand(batch, seq)
-        else:
-            position_ids = self._check_like(position_ids, input_ids, "position_ids")
+        elif not isinstance(position_ids, torch.Tensor) or position_ids.shape != input_ids.shape:
+            raise ValueError(f"position_ids must be a tensor shaped like input_ids {list(input_ids.shape)}")
+        position_ids = position_ids.to(self.device)
         if int(position_ids.max()) >= self.config.max_position_embeddings:
             raise ValueError(
                 f"position {int(position_ids.max())} is past the context window of "
                 f"{self.config.max_position_embeddings} tokens"
             )
         cos, sin = self.rotary(position_ids, self.dtype)
-        mask = build_mask(attention_mask, seq, seq, input_ids.device)
+        if cache is not None:
+            mask = cache.mask(attention_mask, seq)
+        else:
+            mask = build_mask(attention_mask, seq, seq, input_ids.device)
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
-            x = layer(x, cos, sin, mask)
+            x = layer(x, cos, sin, mask, cache)
+        if cache is not None:
+            cache.advance(seq)
+        if last_only:
+            x = x[:, -1:]
         return self.lm_head(self.norm(x))
 
     def _check_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -120,11 +143,14 @@ class Transformer(torch.nn.Module):
             raise ValueError(f"token id {bad} is outside the embedding table (vocab_size {self.config.vocab_size})")
         return input_ids.to(self.device)
 
-    def _check_like(self, tensor: torch.Tensor, input_ids: torch.Tensor, name: str) -> torch.Tensor:
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-        if tensor.dim() == 1:
-            tensor = tensor[None]
-        if tensor.shape != input_ids.shape:
-            raise ValueError(f"{name} has shape {list(tensor.shape)} but input_ids has {list(input_ids.shape)}")
-        return tensor.to(self.device)
+    def _check_mask(self, attention_mask: torch.Tensor, batch: int, length: int) -> torch.Tensor:
+        if not isinstance(attention_mask, torch.Tensor):
+            raise TypeError(f"attention_mask must be a torch.Tensor, got {type(attention_mask).__name__}")
+        if attention_mask.dim() == 1:
+            attention_mask = attention_mask[None]
+        if tuple(attention_mask.shape) != (batch, length):
+            raise ValueError(
+                f"attention_mask has shape {list(attention_mask.shape)}, expected {[batch, length]} "
+                "(batch, cached + new tokens)"
+            )
+        return attention_mask.to(self.device)

@@ -76,6 +76,9 @@ class Tokenizer:
         chat_template: str | None = None,
         nfc: bool = False,
     ) -> None:
+        for i in [*vocab, *(special_tokens or {}).values()]:
+            if not isinstance(i, int) or isinstance(i, bool) or i < 0:
+                raise ValueError(f"token ids must be non-negative ints, got {i!r}")
         self.vocab = dict(vocab)
         self.merges = list(merges)
         self.special_tokens = dict(special_tokens or {})
@@ -99,7 +102,7 @@ class Tokenizer:
             merged = bytes_to_id.get(self.vocab[a] + self.vocab[b])
             if merged is None:
                 raise ValueError(
-                    f"merge #{rank} {self.id_to_token(a)!r} + {self.id_to_token(b)!r} "
+                    f"merge #{rank} {bytes_to_token(self.vocab[a])!r} + {bytes_to_token(self.vocab[b])!r} "
                     "produces a token that is not in the vocabulary"
                 )
             self._merge_table.setdefault((a, b), (rank, merged))
@@ -244,8 +247,6 @@ class Tokenizer:
         Left padding is what generation wants: every prompt then ends at the last column, so
         the next token of every row is predicted from the same position.
         """
-        import torch
-
         if isinstance(texts, str) or not isinstance(texts, Sequence):
             raise TypeError(f"encode_batch() expects a list of str, got {type(texts).__name__}")
         if padding_side not in ("left", "right"):
@@ -253,18 +254,8 @@ class Tokenizer:
         if not texts:
             raise ValueError("encode_batch() needs at least one text")
         rows = [self.encode(text, add_special_tokens) for text in texts]
-        width = max(len(row) for row in rows)
         pad_id = self.pad_id if self.pad_id is not None else (self.eos_id or 0)
-        input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-        position_ids = torch.zeros((len(rows), width), dtype=torch.long)
-        for r, row in enumerate(rows):
-            start = width - len(row) if padding_side == "left" else 0
-            span = slice(start, start + len(row))
-            input_ids[r, span] = torch.tensor(row, dtype=torch.long)
-            attention_mask[r, span] = 1
-            position_ids[r, span] = torch.arange(len(row))
-        return BatchEncoding(input_ids, attention_mask, position_ids)
+        return pad_batch(rows, pad_id, padding_side)
 
     # ----------------------------------------------------------------------------- chat
     def apply_chat_template(
@@ -297,6 +288,23 @@ class Tokenizer:
         from minillm.tokenizer.stream import StreamingDetokenizer
 
         return StreamingDetokenizer(self, skip_special_tokens)
+
+
+def pad_batch(rows: Sequence[Sequence[int]], pad_id: int, padding_side: str = "left") -> BatchEncoding:
+    """Pad lists of ids to one length: ``input_ids``, ``attention_mask``, ``position_ids``."""
+    import torch
+
+    width = max(len(row) for row in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    position_ids = torch.zeros((len(rows), width), dtype=torch.long)
+    for r, row in enumerate(rows):
+        start = width - len(row) if padding_side == "left" else 0
+        span = slice(start, start + len(row))
+        input_ids[r, span] = torch.tensor(list(row), dtype=torch.long)
+        attention_mask[r, span] = 1
+        position_ids[r, span] = torch.arange(len(row))
+    return BatchEncoding(input_ids, attention_mask, position_ids)
 
 
 def _merge(ids: list[int], pair: Pair, merged: int) -> list[int]:

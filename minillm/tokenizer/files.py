@@ -54,11 +54,15 @@ def _build(path: Path, **kwargs: Any) -> Tokenizer:
         raise FileFormatError(f"{path}: {err}") from None
 
 
-def _vocab_from_strings(path: Path, token_to_id: dict[str, int], special: dict[str, int]) -> dict[int, bytes]:
+def _vocab_from_strings(path: Path, token_to_id: Any, special: dict[str, int]) -> dict[int, bytes]:
+    if not isinstance(token_to_id, dict):
+        raise FileFormatError(f"{path}: the vocabulary must map token strings to ids, got a {type(token_to_id).__name__}")
     vocab: dict[int, bytes] = {}
     for token, i in token_to_id.items():
-        if not isinstance(i, int):
-            raise FileFormatError(f"{path}: the id of token {token!r} is {i!r}, not an int")
+        if not isinstance(i, int) or isinstance(i, bool) or i < 0:
+            raise FileFormatError(f"{path}: the id of token {token!r} is {i!r}, not a non-negative int")
+        if i in vocab:
+            raise FileFormatError(f"{path}: id {i} is given to two tokens (one is {token!r})")
         try:
             vocab[i] = token_to_bytes(token)
         except ValueError as err:
@@ -68,7 +72,9 @@ def _vocab_from_strings(path: Path, token_to_id: dict[str, int], special: dict[s
     return vocab
 
 
-def _merges_from_strings(path: Path, lines: list[Any], token_to_id: dict[str, int]) -> list[Pair]:
+def _merges_from_strings(path: Path, lines: Any, token_to_id: dict[str, int]) -> list[Pair]:
+    if not isinstance(lines, list):
+        raise FileFormatError(f"{path}: merges must be a list, got a {type(lines).__name__}")
     merges: list[Pair] = []
     for n, line in enumerate(lines):
         parts = line.split(" ") if isinstance(line, str) else line
@@ -81,10 +87,17 @@ def _merges_from_strings(path: Path, lines: list[Any], token_to_id: dict[str, in
     return merges
 
 
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise FileFormatError(f"{path}: not UTF-8 text ({err})") from None
+
+
 def _read_json(path: Path) -> Any:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        return json.loads(_read_text(path))
+    except json.JSONDecodeError as err:
         raise FileFormatError(f"{path}: not valid JSON ({err})") from None
 
 
@@ -93,7 +106,7 @@ def _load_gpt2_files(vocab_path: Path, merges_path: Path) -> Tokenizer:
     token_to_id = _read_json(vocab_path)
     if not isinstance(token_to_id, dict):
         raise FileFormatError(f"{vocab_path}: expected a JSON object mapping tokens to ids")
-    lines = merges_path.read_text(encoding="utf-8").splitlines()
+    lines = _read_text(merges_path).splitlines()
     lines = [line for line in lines if line and not line.startswith("#version")]
     special = {t: i for t, i in token_to_id.items() if t == "<|endoftext|>"}
     vocab = _vocab_from_strings(vocab_path, token_to_id, special)
@@ -110,7 +123,7 @@ def _load_tokenizer_json(path: Path) -> Tokenizer:
         raise FileFormatError(f"{path}: no BPE model with 'vocab' and 'merges' in it")
     if model.get("type", "BPE") != "BPE" or model.get("byte_fallback"):
         raise FileFormatError(f"{path}: model {model.get('type')!r} is not byte-level BPE (the kind minillm reads)")
-    special = {t["content"]: t["id"] for t in spec.get("added_tokens", [])}
+    special = _added_tokens(path, spec.get("added_tokens", []))
     vocab = _vocab_from_strings(path, model["vocab"], special)
     merges = _merges_from_strings(path, model["merges"], model["vocab"])
     try:
@@ -123,6 +136,8 @@ def _load_tokenizer_json(path: Path) -> Tokenizer:
 
     config_path = path.parent / "tokenizer_config.json"
     config = _read_json(config_path) if config_path.is_file() else {}
+    if not isinstance(config, dict):
+        raise FileFormatError(f"{config_path}: expected a JSON object, got a {type(config).__name__}")
     prefix, suffix = _template_specials(spec.get("post_processor"))
     bos = _token_name(config.get("bos_token")) or (prefix[0] if prefix else None)
     eos = _token_name(config.get("eos_token")) or (suffix[0] if suffix else None)
@@ -142,6 +157,18 @@ def _load_tokenizer_json(path: Path) -> Tokenizer:
     )
 
 
+def _added_tokens(path: Path, entries: Any) -> dict[str, int]:
+    """``added_tokens`` of a tokenizer.json: content -> id."""
+    if not isinstance(entries, list):
+        raise FileFormatError(f"{path}: added_tokens must be a list")
+    special: dict[str, int] = {}
+    for n, entry in enumerate(entries):
+        if not isinstance(entry, dict) or not isinstance(entry.get("content"), str) or not isinstance(entry.get("id"), int):
+            raise FileFormatError(f"{path}: added token #{n} needs a str 'content' and an int 'id', got {entry!r}")
+        special[entry["content"]] = entry["id"]
+    return special
+
+
 def _token_name(value: Any) -> str | None:
     """tokenizer_config.json writes a role either as a string or as {"content": ...}."""
     if isinstance(value, dict):
@@ -155,11 +182,11 @@ def _present(token: str | None, special: dict[str, int]) -> str | None:
 
 def _template_specials(post_processor: dict[str, Any] | None) -> tuple[list[str], list[str]]:
     """Special tokens a TemplateProcessing post-processor puts before and after the text."""
-    if not post_processor:
+    if not isinstance(post_processor, dict):
         return [], []
     processors = post_processor.get("processors", [post_processor])
     for processor in processors:
-        if processor.get("type") == "TemplateProcessing":
+        if isinstance(processor, dict) and processor.get("type") == "TemplateProcessing":
             prefix: list[str] = []
             suffix: list[str] = []
             seen_text = False

@@ -91,13 +91,15 @@ class PreTokenizer:
     @classmethod
     def from_hf(cls, spec: dict[str, Any] | None) -> PreTokenizer:
         """Read the ``pre_tokenizer`` entry of an HF ``tokenizer.json`` (byte-level BPE only)."""
-        if spec is None:
-            raise ValueError("the tokenizer has no pre_tokenizer; minillm needs a byte-level one")
-        steps = spec["pretokenizers"] if spec.get("type") == "Sequence" else [spec]
+        if not isinstance(spec, dict):
+            raise ValueError(f"pre_tokenizer must be a byte-level pre-tokenizer object, got {spec!r}")
+        steps = spec.get("pretokenizers", []) if spec.get("type") == "Sequence" else [spec]
         pattern: str | None = None
         individual_digits = False
         saw_byte_level = False
         for step in steps:
+            if not isinstance(step, dict):
+                raise ValueError(f"pre-tokenizer step {step!r} is not an object")
             kind = step.get("type")
             if kind == "ByteLevel":
                 if step.get("add_prefix_space"):

@@ -1,0 +1,19 @@
+"""Stage 3: the KV cache, contiguous and paged (notebooks 07 and 08)."""
+
+from minillm.cache.base import KVCache, OutOfBlocksError
+from minillm.cache.contiguous import ContiguousKVCache
+from minillm.cache.memory import MemoryBudget, kv_bytes_per_token, memory_budget, parameter_count
+from minillm.cache.paged import BlockAllocator, PagedBatch, PagedKVCache
+
+__all__ = [
+    "BlockAllocator",
+    "ContiguousKVCache",
+    "KVCache",
+    "MemoryBudget",
+    "OutOfBlocksError",
+    "PagedBatch",
+    "PagedKVCache",
+    "kv_bytes_per_token",
+    "memory_budget",
+    "parameter_count",
+]

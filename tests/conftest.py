@@ -1,0 +1,71 @@
+"""Shared fixtures for the tokenizer tests.
+
+Everything expensive is built once per session: SmolLM2's tokenizer read from its GGUF file
+(~3 s), the transformers reference reading the same GGUF (~6 s), GPT-2 (minillm and HF
+``tokenizers``), the corpus and a small tokenizer trained on a slice of it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from minillm import Tokenizer, train_bpe  # noqa: E402
+from minillm.assets import corpus_path, default_gguf_path, gpt2_vocab_dir  # noqa: E402
+
+# The special tokens of the small trained tokenizer: ChatML's and GPT-2's.
+TRAINED_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TRAINED_VOCAB_SIZE = 400
+# A slice of the corpus from inside the plays (not the title page).
+CORPUS_SLICE = slice(200_000, 260_000)
+
+
+@pytest.fixture(scope="session")
+def corpus_text() -> str:
+    return corpus_path().read_text(encoding="utf-8")
+
+
+@pytest.fixture(scope="session")
+def smol() -> Tokenizer:
+    """SmolLM2-135M-Instruct's tokenizer, read by minillm from the GGUF file."""
+    return Tokenizer.from_file(default_gguf_path())
+
+
+@pytest.fixture(scope="session")
+def smol_hf():
+    """transformers' tokenizer read from the same GGUF (the reference)."""
+    from minillm.reference import hf_gguf_tokenizer
+
+    return hf_gguf_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def smol_hf_raw(smol_hf):
+    """The HF ``tokenizers`` object behind the transformers reference: raw ids, no post-processing."""
+    return smol_hf.backend_tokenizer
+
+
+@pytest.fixture(scope="session")
+def gpt2() -> Tokenizer:
+    """GPT-2, read by minillm from encoder.json + vocab.bpe."""
+    return Tokenizer.from_file(gpt2_vocab_dir())
+
+
+@pytest.fixture(scope="session")
+def gpt2_hf():
+    """GPT-2 as HF ``tokenizers`` builds it from the same two files."""
+    from minillm.reference import hf_gpt2_tokenizer
+
+    return hf_gpt2_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def trained(corpus_text: str) -> Tokenizer:
+    """A ~400-token byte-level BPE trained by minillm on a corpus slice, with special tokens."""
+    return train_bpe(corpus_text[CORPUS_SLICE], TRAINED_VOCAB_SIZE, TRAINED_SPECIALS, progress=False)
+
