@@ -1,4 +1,4 @@
-"""Stage 3: the KV cache, contiguous and paged (notebooks 07 and 08)."""
+"""The KV cache, contiguous and paged: the engine's memory between steps (notebooks 07 and 08)."""
 
 from minillm.cache.base import KVCache, OutOfBlocksError
 from minillm.cache.contiguous import ContiguousKVCache

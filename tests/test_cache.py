@@ -1,0 +1,225 @@
+"""KV caches: paged attention against plain attention, the block allocator's bookkeeping
+(hypothesis stateful testing), copy-on-write, running out of blocks, and the memory formula."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
+
+from minillm.cache import (
+    BlockAllocator,
+    ContiguousKVCache,
+    OutOfBlocksError,
+    PagedKVCache,
+    kv_bytes_per_token,
+    memory_budget,
+    parameter_count,
+)
+from minillm.model.attention import attention_explicit, build_mask
+from minillm.model.config import ModelConfig
+
+TINY = ModelConfig(vocab_size=64, hidden_size=16, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=32,
+                   max_position_embeddings=512)
+
+
+def _reference_attention(q, k, v):
+    """Plain causal attention over one whole sequence: q, k, v [1, heads, seq, head_dim]."""
+    return attention_explicit(q, k, v, build_mask(None, q.shape[2], k.shape[2], q.device))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=4),
+    block_size=st.integers(1, 17),
+    chunks=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_paged_attention_equals_reference_attention(lengths, block_size, chunks, seed):
+    """Sequences of random lengths written in random chunks, then one batched decode step:
+    every row's attention through the block table equals plain attention on its own keys."""
+    g = torch.Generator().manual_seed(seed)
+    heads, head_dim = TINY.n_kv_heads, TINY.head_dim
+    total_blocks = sum(math.ceil((n + 1) / block_size) for n in lengths)
+    cache = PagedKVCache(TINY, total_blocks, block_size)
+    keys = [torch.randn(1, heads, n + 1, head_dim, generator=g) for n in lengths]
+    values = [torch.randn(1, heads, n + 1, head_dim, generator=g) for n in lengths]
+    for s, n in enumerate(lengths):  # prefill each sequence alone, in `chunks` pieces
+        cache.add_sequence(s)
+        bounds = sorted({0, n, *torch.randint(1, n + 1, (chunks - 1,), generator=g).tolist()})
+        for a, b in zip(bounds, bounds[1:]):
+            batch = cache.prepare([s], b - a)
+            batch.update(0, keys[s][:, :, a:b], values[s][:, :, a:b])
+            batch.advance(b - a)
+    step = cache.prepare(list(range(len(lengths))), 1)  # one decode token per sequence, batched
+    new_k = torch.cat([k[:, :, -1:] for k in keys])
+    new_v = torch.cat([v[:, :, -1:] for v in values])
+    q = torch.randn(len(lengths), heads, 1, head_dim, generator=g)
+    k_all, v_all = step.update(0, new_k, new_v)
+    out = attention_explicit(q, k_all, v_all, step.mask(None, 1))
+    for s in range(len(lengths)):
+        expected = attention_explicit(q[s : s + 1], keys[s], values[s], torch.ones(1, 1, 1, lengths[s] + 1, dtype=torch.bool))
+        torch.testing.assert_close(out[s : s + 1], expected, atol=1e-6, rtol=1e-6)
+
+
+def test_paged_prefill_equals_contiguous_cache_bit_for_bit():
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(1, 2, 23, 4, generator=g)
+    v = torch.randn(1, 2, 23, 4, generator=g)
+    contiguous = ContiguousKVCache(TINY, 1, 32)
+    paged = PagedKVCache(TINY, 8, block_size=5)
+    paged.add_sequence(0)
+    ck, cv = contiguous.update(1, k, v)
+    pk, pv = paged.prepare([0], 23).update(1, k, v)
+    assert torch.equal(ck, pk) and torch.equal(cv, pv)
+
+
+class AllocatorMachine(RuleBasedStateMachine):
+    """Random add / append / fork / free sequences on a small pool: no block leaks, none is
+    freed twice, reference counts always equal the number of block tables holding a block."""
+
+    sequences = Bundle("sequences")
+
+    def __init__(self):
+        super().__init__()
+        self.cache = PagedKVCache(TINY, num_blocks=12, block_size=3)
+        self.next_id = 0
+
+    @rule(target=sequences)
+    def add(self):
+        seq = self.next_id
+        self.next_id += 1
+        self.cache.add_sequence(seq)
+        return seq
+
+    @rule(seq=sequences, n=st.integers(1, 7))
+    def append(self, seq, n):
+        if seq not in self.cache.lengths:
+            return
+        free_before = self.cache.allocator.num_free
+        tables_before = {s: list(t) for s, t in self.cache.block_tables.items()}
+        try:
+            batch = self.cache.prepare([seq], n)
+        except OutOfBlocksError:
+            assert self.cache.allocator.num_free == free_before  # nothing changed
+            assert self.cache.block_tables == tables_before
+            return
+        batch.advance(n)
+
+    @rule(parent=sequences, target=sequences)
+    def fork(self, parent):
+        if parent not in self.cache.lengths:
+            return self.add()
+        child = self.next_id
+        self.next_id += 1
+        self.cache.fork(parent, child)
+        return child
+
+    @rule(seq=consumes(sequences))
+    def free(self, seq):
+        if seq in self.cache.lengths:
+            self.cache.free_sequence(seq)
+
+    @invariant()
+    def reference_counts_match_block_tables(self):
+        holders = [0] * self.cache.allocator.num_blocks
+        for table in self.cache.block_tables.values():
+            for block in table:
+                holders[block] += 1
+        assert holders == self.cache.allocator.ref_counts
+        free = self.cache.allocator._free
+        assert len(set(free)) == len(free)  # no block freed twice
+        assert all(holders[b] == 0 for b in free)
+        assert len(free) + sum(1 for h in holders if h > 0) == self.cache.allocator.num_blocks  # no leak
+
+    @invariant()
+    def tables_cover_lengths(self):
+        for seq, table in self.cache.block_tables.items():
+            assert len(table) == math.ceil(self.cache.lengths[seq] / self.cache.block_size)
+
+    def teardown(self):
+        for seq in list(self.cache.block_tables):
+            self.cache.free_sequence(seq)
+        assert self.cache.allocator.num_free == self.cache.allocator.num_blocks
+
+
+TestAllocatorMachine = AllocatorMachine.TestCase
+TestAllocatorMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+def test_fork_shares_blocks_and_copy_on_write_keeps_the_parent_intact():
+    cache = PagedKVCache(TINY, num_blocks=6, block_size=4)
+    cache.add_sequence(0)
+    prompt_k = torch.arange(6 * 2 * 4, dtype=torch.float32).view(1, 2, 6, 4)
+    batch = cache.prepare([0], 6)
+    for layer in range(TINY.n_layers):
+        batch.update(layer, prompt_k, prompt_k)
+    batch.advance(6)
+    cache.fork(0, 1)
+    assert cache.block_tables[0] == cache.block_tables[1]
+    assert cache.allocator.num_free == 4  # 2 blocks, shared
+    parent_before, _ = cache.prepare([0], 0).update(0, prompt_k[:, :, :0], prompt_k[:, :, :0])
+    step = cache.prepare([1], 1)  # the child writes into the shared, half-full second block
+    assert cache.block_tables[1][0] == cache.block_tables[0][0]  # full first block still shared
+    assert cache.block_tables[1][1] != cache.block_tables[0][1]  # second block copied
+    step.update(0, torch.full((1, 2, 1, 4), -1.0), torch.full((1, 2, 1, 4), -1.0))
+    step.advance(1)
+    parent_after, _ = cache.prepare([0], 0).update(0, prompt_k[:, :, :0], prompt_k[:, :, :0])
+    assert torch.equal(parent_before, parent_after)
+    child_k, _ = cache.prepare([1], 0).update(0, prompt_k[:, :, :0], prompt_k[:, :, :0])
+    assert torch.equal(child_k[:, :, :6], prompt_k) and (child_k[:, :, 6] == -1).all()
+
+
+def test_running_out_of_blocks_raises_and_leaves_the_pool_reusable():
+    cache = PagedKVCache(TINY, num_blocks=4, block_size=4)
+    cache.add_sequence(0)
+    cache.prepare([0], 10).advance(10)  # 3 blocks
+    cache.add_sequence(1)
+    with pytest.raises(OutOfBlocksError, match="needs 2 more blocks for this step but only 1 of 4 are free"):
+        cache.prepare([1], 5)
+    assert cache.block_tables[1] == [] and cache.allocator.num_free == 1
+    cache.free_sequence(0)
+    cache.prepare([1], 16).advance(16)  # the freed blocks are reused
+    assert cache.allocator.num_free == 0
+
+
+def test_allocator_refuses_double_free():
+    allocator = BlockAllocator(2)
+    block = allocator.allocate()
+    allocator.free(block)
+    with pytest.raises(ValueError, match="double free"):
+        allocator.free(block)
+
+
+def test_contiguous_cache_refuses_to_overflow():
+    cache = ContiguousKVCache(TINY, 1, 4)
+    cache.advance(3)
+    with pytest.raises(ValueError, match="holds 4 tokens per row; 3 are used and 2 more"):
+        cache.mask(None, 2)
+
+
+def test_kv_bytes_formula_matches_the_allocated_tensors():
+    smollm = ModelConfig(vocab_size=49152, hidden_size=576, n_layers=30, n_heads=9, n_kv_heads=3,
+                         intermediate_size=1536, max_position_embeddings=8192, tie_word_embeddings=True)
+    assert kv_bytes_per_token(smollm, torch.float32) == 2 * 30 * 3 * 64 * 4 == 46080
+    assert kv_bytes_per_token(smollm, torch.bfloat16) == 23040
+    cache = ContiguousKVCache(smollm, batch_size=2, max_len=100)
+    assert cache.nbytes == memory_budget(smollm, 2, 100).kv_cache == 2 * 100 * 46080
+    paged = PagedKVCache(smollm, num_blocks=10, block_size=16)
+    assert paged.nbytes == 10 * 16 * 46080
+
+
+def test_parameter_count_matches_real_models():
+    import transformers
+
+    for model_type, tied in (("llama", True), ("llama", False), ("qwen2", False)):
+        common = dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=96, tie_word_embeddings=tied)
+        hf_config = (transformers.Qwen2Config if model_type == "qwen2" else transformers.LlamaConfig)(**common)
+        hf_model = transformers.AutoModelForCausalLM.from_config(hf_config)
+        ours = ModelConfig.from_hf(hf_config.to_dict())
+        assert parameter_count(ours) == sum(p.numel() for p in hf_model.parameters())

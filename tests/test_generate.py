@@ -1,0 +1,114 @@
+"""Greedy generation on the real model: recompute, contiguous and paged caches all produce
+transformers' tokens, for single prompts and for a mixed-length batch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import minillm
+from minillm.generate import generate_greedy
+from minillm.reference import hf_gguf_model
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village at the edge of a great forest, there lived",
+]
+NEW_TOKENS = 32
+ODD_BLOCK = 6  # divides none of the prompt lengths (checked below)
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    return minillm.load_model(device="cpu")
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(smollm):
+    _, tok = smollm
+    ids = [tok.encode(p) for p in PROMPTS]
+    assert len({len(i) for i in ids}) == len(ids), "the batch must mix prompt lengths"
+    assert all(len(i) % ODD_BLOCK for i in ids)
+    return ids
+
+
+@pytest.fixture(scope="module")
+def transformers_greedy(smollm, prompt_ids):
+    _, tok = smollm
+    reference = hf_gguf_model()
+    outputs = []
+    for ids in prompt_ids:
+        out = reference.generate(
+            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id,
+        )
+        outputs.append(out[0, len(ids):].tolist())
+    return outputs
+
+
+def test_recompute_matches_transformers(smollm, prompt_ids, transformers_greedy):
+    model, tok = smollm
+    assert generate_greedy(model, prompt_ids, NEW_TOKENS, tok.eos_id, cache="none") == transformers_greedy
+
+
+CACHES = [("contiguous", 16), ("paged", 1), ("paged", 16), ("paged", ODD_BLOCK)]
+
+
+@pytest.mark.parametrize("cache, block_size", CACHES, ids=[f"{c}-{b}" for c, b in CACHES])
+def test_mixed_length_batch_matches_transformers(smollm, prompt_ids, transformers_greedy, cache, block_size):
+    model, tok = smollm
+    outputs = generate_greedy(model, prompt_ids, NEW_TOKENS, tok.eos_id, cache=cache, block_size=block_size,
+                              pad_id=tok.pad_id)
+    assert outputs == transformers_greedy
+
+
+@pytest.mark.parametrize("cache, block_size", CACHES, ids=[f"{c}-{b}" for c, b in CACHES])
+def test_single_prompts_match_transformers(smollm, prompt_ids, transformers_greedy, cache, block_size):
+    model, tok = smollm
+    for ids, expected in zip(prompt_ids, transformers_greedy):
+        assert generate_greedy(model, [ids], NEW_TOKENS, tok.eos_id, cache=cache, block_size=block_size) == [expected]
+
+
+def test_generation_stops_at_eos_and_frees_every_block(smollm):
+    from minillm.generate import greedy_paged
+
+    model, tok = smollm
+    chat = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    [out] = greedy_paged(model, [chat], 64, tok.eos_id)
+    assert out[-1] == tok.eos_id and tok.decode(out).startswith("The capital of France is Paris")
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "minillm", *args], capture_output=True, text=True, cwd=REPO, timeout=300)
+
+
+def test_cli_generate_json_rows_in_prompt_order(prompt_ids, transformers_greedy):
+    result = _cli("generate", "--prompt", PROMPTS[1], "--prompt", PROMPTS[0], "--max-new-tokens", "8",
+                  "--cache", "paged", "--block-size", str(ODD_BLOCK), "--json")
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["prompt"] for r in rows] == [PROMPTS[1], PROMPTS[0]]
+    assert rows[0]["token_ids"] == transformers_greedy[1][:8]
+    assert rows[1]["token_ids"] == transformers_greedy[0][:8]
+    assert "tokens/s" in result.stderr  # diagnostics go to stderr, never stdout
+
+
+def test_cli_plain_output_is_only_the_completion():
+    result = _cli("generate", "--prompt", PROMPTS[0], "--max-new-tokens", "3", "--cache", "contiguous")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == " Paris.\n\n"  # the completion " Paris.\n", then print's newline
+
+
+def test_cli_bad_arguments_exit_non_zero_without_traceback(tmp_path):
+    result = _cli("generate", "--prompt", "x", "--model", str(tmp_path / "missing.gguf"))
+    assert result.returncode != 0
+    assert "no model at" in result.stderr and "Traceback" not in result.stderr
+    result = _cli("generate", "--prompt", "x", "--block-size", "0")
+    assert result.returncode != 0 and "--block-size" in result.stderr and "Traceback" not in result.stderr
