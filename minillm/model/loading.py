@@ -198,4 +198,4 @@ def build_model(
         model.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
-    return model.eval()
+    return model.eval().requires_grad_(False)  # inference only: no autograd bookkeeping
