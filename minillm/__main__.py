@@ -8,10 +8,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
+from typing import TYPE_CHECKING
+
 from minillm.assets import corpus_path, default_gguf_path
+
+if TYPE_CHECKING:
+    from minillm.model import Transformer
+    from minillm.sampling import SamplingParams
+    from minillm.tokenizer import Tokenizer
 
 
 def demo() -> None:
@@ -43,33 +51,89 @@ def demo() -> None:
           f"{''.join(pieces) == smol.decode(ids)}")
 
 
-def generate(args: argparse.Namespace) -> None:
-    import torch
+def _sampling_params(args: argparse.Namespace) -> SamplingParams:
+    from minillm.sampling import SamplingParams
 
-    from minillm.generate import generate_greedy
+    return SamplingParams(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        num_beams=args.num_beams,
+        stop=tuple(args.stop or ()),
+        seed=args.seed,
+        n=args.n,
+    )
+
+
+def _load(args: argparse.Namespace) -> tuple[Transformer, Tokenizer]:
     from minillm.model import load_model
 
     start = time.perf_counter()
     model, tok = load_model(args.model, device=args.device)
     print(f"minillm: loaded {args.model or 'SmolLM2-135M-Instruct'} on {model.device} "
           f"in {time.perf_counter() - start:.1f} s", file=sys.stderr)
-    prompts = [tok.encode(p) for p in args.prompt]
+    return model, tok
+
+
+def generate(args: argparse.Namespace) -> None:
+    from minillm.engine import Engine
+    from minillm.generate import generate_greedy
+
+    params = _sampling_params(args)  # validated before the model loads
+    if args.cache != "paged" and not (params.is_greedy and params.num_beams == 1 and params.n == 1):
+        raise ValueError("--cache none/contiguous decode greedily only; sampling, beams and --n need --cache paged")
+    model, tok = _load(args)
+    prompts = args.prompt
+    if args.chat:
+        prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False) for p in prompts]
     start = time.perf_counter()
-    with torch.inference_mode():
-        outputs = generate_greedy(
-            model, prompts, args.max_new_tokens, tok.eos_id, cache=args.cache, block_size=args.block_size,
-            pad_id=tok.pad_id or 0,
-        )
+    if args.cache == "paged":
+        engine = Engine(model, tok, block_size=args.block_size)
+        results = [(c.text, c.token_ids) for c in engine.generate(prompts, params)]
+        originals = [p for p in args.prompt for _ in range(params.n)]
+    else:
+        outputs = generate_greedy(model, [tok.encode(p) for p in prompts], params.max_new_tokens, tok.eos_id,
+                                  cache=args.cache, pad_id=tok.pad_id or 0)
+        results = [(tok.decode(ids, skip_special_tokens=True), ids) for ids in outputs]
+        originals = list(args.prompt)
     elapsed = time.perf_counter() - start
-    n_tokens = sum(len(o) for o in outputs)
+    n_tokens = sum(len(ids) for _, ids in results)
     print(f"minillm: {n_tokens} tokens in {elapsed:.2f} s ({n_tokens / elapsed:.1f} tokens/s, cache={args.cache})",
           file=sys.stderr)
-    for prompt, ids in zip(args.prompt, outputs):
-        text = tok.decode(ids, skip_special_tokens=True)
+    for prompt, (text, ids) in zip(originals, results):
         if args.json:
             print(json.dumps({"prompt": prompt, "text": text, "token_ids": ids}, ensure_ascii=False))
         else:
             print(text)
+
+
+def chat(args: argparse.Namespace) -> None:
+    """An interactive streaming chat: type a message, read the answer as it is generated."""
+    from minillm.engine import Engine
+
+    params = _sampling_params(args)
+    model, tok = _load(args)
+    engine = Engine(model, tok)
+    messages: list[dict[str, str]] = []
+    print("minillm chat — an empty line or Ctrl-D quits.", file=sys.stderr)
+    while True:
+        try:
+            line = input("you> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        print("assistant> ", end="", flush=True)
+        answer = ""
+        for delta in engine.stream_chat(messages, params):
+            answer += delta
+            print(delta, end="", flush=True)
+        print()
+        messages.append({"role": "assistant", "content": answer})
 
 
 def _positive(value: str) -> int:
@@ -79,47 +143,65 @@ def _positive(value: str) -> int:
     return number
 
 
-def _non_negative(value: str) -> int:
-    number = int(value)
-    if number < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {number}")
-    return number
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="minillm", description="An LLM inference engine built from scratch.")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    gen = commands.add_parser("generate", help="complete prompts with a real model (greedy)")
+    def add_model_and_sampling(sub: argparse.ArgumentParser) -> None:
+        sub.add_argument("--model", default=None, help="a .gguf file or HF checkpoint folder (default: SmolLM2-135M-Instruct)")
+        sub.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+        sub.add_argument("--max-new-tokens", type=int, default=64)
+        sub.add_argument("--temperature", type=float, default=0.0, help="0 decodes greedily (the default)")
+        sub.add_argument("--top-k", type=int, default=0)
+        sub.add_argument("--top-p", type=float, default=1.0)
+        sub.add_argument("--min-p", type=float, default=0.0)
+        sub.add_argument("--repetition-penalty", type=float, default=1.0)
+        sub.add_argument("--num-beams", type=int, default=1)
+        sub.add_argument("--seed", type=int, default=None)
+        sub.add_argument("--stop", action="append", help="a stop string (not included in the output); repeatable")
+        sub.add_argument("--n", type=int, default=1, help="completions per prompt, each its own output row")
+
+    gen = commands.add_parser("generate", help="complete prompts with a real model")
     gen.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
-    gen.add_argument("--model", default=None, help="a .gguf file or HF checkpoint folder (default: SmolLM2-135M-Instruct)")
-    gen.add_argument("--max-new-tokens", type=_non_negative, default=64)
+    add_model_and_sampling(gen)
     gen.add_argument("--cache", choices=["none", "contiguous", "paged"], default="paged")
     gen.add_argument("--block-size", type=_positive, default=16, help="tokens per KV block (paged cache)")
-    gen.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template as a user turn")
     gen.add_argument("--json", action="store_true", help="one JSON object per completion, in prompt order")
+
+    chat_parser = commands.add_parser("chat", help="an interactive streaming chat with the model")
+    add_model_and_sampling(chat_parser)
 
     commands.add_parser("demo", help="run the end-to-end demo")
     bench = commands.add_parser("bench", help="benchmarks against the reference libraries")
-    bench.add_argument("target", choices=["tokenizer"])
+    bench.add_argument("target", choices=["tokenizer", "cache", "load"])
     bench.add_argument("--json", action="store_true", help="print the results as one JSON object")
     args = parser.parse_args(argv)
 
     try:
         if args.command == "generate":
             generate(args)
+        elif args.command == "chat":
+            chat(args)
         elif args.command == "demo":
             demo()
         elif args.command == "bench":
-            from minillm.bench import bench_tokenizer, print_tokenizer_report
+            from minillm import bench as benchmarks
 
-            results = bench_tokenizer()
+            run, report = {
+                "tokenizer": (benchmarks.bench_tokenizer, benchmarks.print_tokenizer_report),
+                "cache": (benchmarks.bench_cache, benchmarks.print_cache_report),
+                "load": (benchmarks.bench_load, lambda r: print(f"load_model() after conversion: {r['load_s']:.2f} s")),
+            }[args.target]
+            results = run()
             if args.json:
                 print(json.dumps(results))
             else:
-                print_tokenizer_report(results)
+                report(results)
     except (FileNotFoundError, ValueError, TypeError, MemoryError, RuntimeError) as err:
-        print(f"minillm: error: {err}", file=sys.stderr)
+        if os.environ.get("MINILLM_DEBUG"):
+            raise
+        print(f"minillm: error: {err}", file=sys.stderr)  # the message names the problem; no traceback
         return 1
     return 0
 

@@ -1,0 +1,210 @@
+"""The engine: many requests, one model, one paged KV cache, continuous batching.
+
+Every step the scheduler does three things:
+
+1. **admit** waiting requests while there is room in the batch and in the block pool; each is
+   prefilled alone (one forward over its prompt) and samples its first token;
+2. **decode** one token for every running request in a single batched forward: the rows have
+   different lengths, and the paged cache lets each read its own keys through its block table;
+3. **retire** finished requests at once, handing their blocks back to the pool, so a waiting
+   request can join the running batch on the very next step.
+
+That last point is *continuous batching*: the batch is refilled token by token instead of
+waiting for its slowest member, which is why throughput scales with the number of requests.
+
+If a decode step finds the pool empty, the most recently admitted request is *preempted*:
+its blocks are freed and it goes back to the front of the queue, to be prefilled again
+(prompt + tokens so far) when room returns. Its output is unchanged, only recomputed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from minillm.cache import OutOfBlocksError, PagedKVCache
+from minillm.engine.beam import beam_search
+from minillm.engine.request import Completion, Request
+from minillm.model.llama import Transformer
+from minillm.sampling import SamplingParams, make_generator, next_token
+from minillm.tokenizer import Tokenizer
+
+
+class Engine:
+    """Serve generation requests on a model with a paged KV cache.
+
+    Args:
+        model, tokenizer: from ``minillm.load_model()``.
+        max_batch_size: most requests decoded together in one step.
+        kv_cache_tokens: size of the block pool, in tokens (default: 16 full batches of 1024).
+        block_size: tokens per KV block.
+        eos_ids: ids that end a completion (default: the tokenizer's EOS).
+    """
+
+    def __init__(
+        self,
+        model: Transformer,
+        tokenizer: Tokenizer,
+        *,
+        max_batch_size: int = 16,
+        kv_cache_tokens: int | None = None,
+        block_size: int = 16,
+        eos_ids: Sequence[int] | None = None,
+    ) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        tokens = kv_cache_tokens or max_batch_size * 1024
+        self.cache = PagedKVCache(model.config, math.ceil(tokens / block_size), block_size, model.device, model.dtype)
+        default_eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+        self.eos_ids = frozenset(eos_ids if eos_ids is not None else default_eos)
+        self._next_seq_id = 0
+
+    # ------------------------------------------------------------------ public API
+    def generate(
+        self, prompts: Sequence[str], params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[Completion]:
+        """Complete every prompt (``params.n`` completions each, in prompt order)."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        per_prompt = self._params_per_prompt(prompts, params)
+        requests = [self._request(p, ps, i) for p, ps in zip(prompts, per_prompt) for i in range(ps.n)]
+        sampled = [r for r in requests if r.params.num_beams == 1]
+        for _ in self._run(sampled):
+            pass
+        for request in requests:
+            if request.params.num_beams > 1:
+                self._beam(request)
+        return [r.completion() for r in requests]
+
+    def stream(self, prompt: str, params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield the completion's text as it is generated (complete characters only)."""
+        params = params or SamplingParams()
+        if params.num_beams > 1 or params.n > 1:
+            raise ValueError("stream() serves one sampled completion: use num_beams=1 and n=1")
+        request = self._request(prompt, params, 0)
+        for _, delta in self._run([request]):
+            if delta:
+                yield delta
+
+    def chat(self, messages: Sequence[dict[str, str]], params: SamplingParams | None = None) -> Completion:
+        """Answer a conversation: the chat template, then generation."""
+        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        assert isinstance(prompt, str)
+        return self.generate([prompt], params)[0]
+
+    def stream_chat(self, messages: Sequence[dict[str, str]], params: SamplingParams | None = None) -> Iterator[str]:
+        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        assert isinstance(prompt, str)
+        return self.stream(prompt, params)
+
+    # ------------------------------------------------------------------ requests
+    def _params_per_prompt(
+        self, prompts: Sequence[str], params: SamplingParams | Sequence[SamplingParams] | None
+    ) -> list[SamplingParams]:
+        if params is None or isinstance(params, SamplingParams):
+            return [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        return list(params)
+
+    def _request(self, prompt: str, params: SamplingParams, index: int) -> Request:
+        if not isinstance(prompt, str):
+            raise TypeError(f"prompts must be str, got {type(prompt).__name__}")
+        prompt_ids = self.tokenizer.encode(prompt)
+        if not prompt_ids:
+            raise ValueError("the prompt is empty: it needs at least one token")
+        context = self.model.config.max_position_embeddings
+        if len(prompt_ids) + params.max_new_tokens > context:
+            raise ValueError(
+                f"the prompt has {len(prompt_ids)} tokens; with max_new_tokens={params.max_new_tokens} "
+                f"it exceeds the context window of {context}"
+            )
+        seed = None if params.seed is None else params.seed + index
+        request = Request(
+            self._new_seq_id(), prompt, prompt_ids, params, self.tokenizer, self.eos_ids,
+            make_generator(seed, self.model.device),
+        )
+        if params.max_new_tokens == 0:
+            request.finish_reason = "length"
+        return request
+
+    # ------------------------------------------------------------------ the scheduler loop
+    @torch.inference_mode()
+    def _run(self, requests: list[Request]) -> Iterator[tuple[Request, str]]:
+        """Run requests to completion with continuous batching; yield (request, text delta)."""
+        waiting = deque(r for r in requests if not r.finished)
+        running: list[Request] = []
+        while waiting or running:
+            while waiting and len(running) < self.max_batch_size and self._fits(waiting[0]):
+                request = waiting.popleft()
+                yield request, self._prefill(request)
+                if request.finished:
+                    self.cache.free_sequence(request.seq_id)
+                else:
+                    running.append(request)
+            if not running:
+                if waiting:
+                    raise OutOfBlocksError(
+                        f"a {len(waiting[0].all_ids)}-token request does not fit in the KV cache "
+                        f"({self.cache.allocator.num_blocks} blocks of {self.cache.block_size} tokens)"
+                    )
+                break
+            try:
+                batch = self.cache.prepare([r.seq_id for r in running], 1)
+            except OutOfBlocksError:
+                victim = running.pop()  # the most recent arrival
+                self.cache.free_sequence(victim.seq_id)
+                waiting.appendleft(victim)
+                continue
+            step_ids = torch.tensor([[r.output_ids[-1]] for r in running], device=self.model.device)
+            logits = self.model(step_ids, cache=batch, last_only=True)[:, -1]
+            still_running = []
+            for row, request in enumerate(running):
+                yield request, request.append(self._sample(request, logits[row : row + 1]))
+                if request.finished:
+                    self.cache.free_sequence(request.seq_id)
+                else:
+                    still_running.append(request)
+            running = still_running
+
+    def _fits(self, request: Request) -> bool:
+        """Room for the prompt (and tokens so far, after a preemption) plus the next token."""
+        needed = math.ceil((len(request.all_ids) + 1) / self.cache.block_size)
+        return needed <= self.cache.allocator.num_free
+
+    def _prefill(self, request: Request) -> str:
+        """One forward over the request's tokens fills its blocks and samples the next token."""
+        self.cache.add_sequence(request.seq_id)
+        ids = request.all_ids  # after a preemption, the tokens generated so far are recomputed too
+        if request.output_ids:
+            ids = ids[:-1]
+        batch = self.cache.prepare([request.seq_id], len(ids))
+        logits = self.model(torch.tensor([ids], device=self.model.device), cache=batch, last_only=True)[:, -1]
+        if request.output_ids:  # resumed: the last token is already chosen, decode continues from it
+            return ""
+        return request.append(self._sample(request, logits))
+
+    def _sample(self, request: Request, logits: torch.Tensor) -> int:
+        history = torch.tensor([request.all_ids], device=logits.device)
+        return int(next_token(logits, history, request.params, request.generator)[0])
+
+    def _beam(self, request: Request) -> None:
+        token_ids = beam_search(
+            self.model, self.cache, request.prompt_ids, request.params, self.eos_ids, self._new_seq_id
+        )
+        for token in token_ids:
+            request.append(token)
+            if request.finished:
+                break
+        if not request.finished:
+            request.finish_reason = "length"
+
+    def _new_seq_id(self) -> int:
+        self._next_seq_id += 1
+        return self._next_seq_id - 1

@@ -1,0 +1,119 @@
+"""One generation request: its prompt, its parameters, its tokens so far, and when it stops.
+
+Stop rules, checked after every new token:
+
+* ``eos``: the model emitted an end-of-sequence id (unless ``ignore_eos``). The id is kept in
+  ``token_ids`` but never appears in the text.
+* ``stop``: the text now contains one of ``params.stop``. The text is cut *before* the stop
+  string (it is not included, as in the OpenAI and vLLM APIs); ``token_ids`` end with the
+  token that completed it.
+* ``length``: ``max_new_tokens`` tokens were generated. Without this rule nothing bounds a
+  model that never emits EOS ("runaway generation").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from minillm.sampling import SamplingParams
+from minillm.tokenizer import StreamingDetokenizer, Tokenizer
+
+
+@dataclass
+class Completion:
+    """A finished completion: the text, the new token ids and why it stopped."""
+
+    prompt: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "eos", "stop" or "length"
+
+
+class StopStringFilter:
+    """Releases streamed text only once it cannot be the beginning of a stop string.
+
+    If the stop string is ``"\\nUser:"`` and the model has produced ``"...\\nUs"``, the
+    ``"\\nUs"`` is held back: the next token may complete the stop string, and text past (or
+    part of) a stop string must never reach the user.
+    """
+
+    def __init__(self, stop: tuple[str, ...]) -> None:
+        self.stop = stop
+        self.pending = ""
+        self.stopped = False
+
+    def push(self, text: str) -> str:
+        """Add new text; return what is safe to emit. Sets ``stopped`` when a stop string appears."""
+        if self.stopped:
+            return ""
+        self.pending += text
+        hits = [i for i in (self.pending.find(s) for s in self.stop) if i >= 0]
+        if hits:
+            self.stopped = True
+            emit, self.pending = self.pending[: min(hits)], ""
+            return emit
+        hold = max((_overlap(self.pending, s) for s in self.stop), default=0)
+        emit = self.pending[: len(self.pending) - hold]
+        self.pending = self.pending[len(emit) :]
+        return emit
+
+    def flush(self) -> str:
+        emit, self.pending = ("" if self.stopped else self.pending), ""
+        return emit
+
+
+def _overlap(text: str, stop: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``stop``."""
+    for n in range(min(len(text), len(stop) - 1), 0, -1):
+        if text.endswith(stop[:n]):
+            return n
+    return 0
+
+
+@dataclass
+class Request:
+    """A prompt being generated: the engine's unit of scheduling (one KV-cache sequence)."""
+
+    seq_id: int
+    prompt: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    tokenizer: Tokenizer
+    eos_ids: frozenset[int]
+    generator: torch.Generator | None = None
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+
+    def __post_init__(self) -> None:
+        self._detokenizer = StreamingDetokenizer(self.tokenizer, skip_special_tokens=True)
+        self._filter = StopStringFilter(self.params.stop)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def append(self, token_id: int) -> str:
+        """Record a new token, apply the stop rules, and return the new text to stream."""
+        self.output_ids.append(token_id)
+        if token_id in self.eos_ids and not self.params.ignore_eos:
+            self.finish_reason = "eos"
+            delta = self._filter.push(self._detokenizer.flush()) + self._filter.flush()
+        else:
+            delta = self._filter.push(self._detokenizer.push(token_id))
+            if self._filter.stopped:
+                self.finish_reason = "stop"
+            elif len(self.output_ids) >= self.params.max_new_tokens:
+                self.finish_reason = "length"
+                delta += self._filter.push(self._detokenizer.flush()) + self._filter.flush()
+        self.text += delta
+        return delta
+
+    def completion(self) -> Completion:
+        return Completion(self.prompt, self.text, list(self.output_ids), self.finish_reason or "length")

@@ -1,0 +1,34 @@
+"""Stage 3 of the pipeline: logits -> next token (notebook 09).
+
+``SamplingParams`` says how; ``build_processors`` turns it into a chain of logits processors
+(repetition penalty, temperature, top-k, top-p, min-p); ``next_token`` runs the chain and
+applies the decoding rule (argmax or a seeded multinomial draw).
+"""
+
+from minillm.sampling.params import SamplingParams
+from minillm.sampling.processors import (
+    LogitsProcessor,
+    MinP,
+    RepetitionPenalty,
+    Temperature,
+    TopK,
+    TopP,
+    apply_processors,
+    build_processors,
+)
+from minillm.sampling.sampler import filtered_distribution, make_generator, next_token
+
+__all__ = [
+    "LogitsProcessor",
+    "MinP",
+    "RepetitionPenalty",
+    "SamplingParams",
+    "Temperature",
+    "TopK",
+    "TopP",
+    "apply_processors",
+    "build_processors",
+    "filtered_distribution",
+    "make_generator",
+    "next_token",
+]

@@ -1,0 +1,139 @@
+"""``SamplingParams``: every knob of the decoding rule in one frozen, validated object.
+
+A request carries one of these from the user to the sampler. It is *frozen* (immutable) so a
+request's settings cannot change halfway through generation, and it is *validated on
+construction* so a bad value fails at once, with a message naming the parameter and the value,
+instead of turning into NaN probabilities a hundred tokens later: ``temperature=-1`` would
+flip the distribution upside down and ``top_p=0`` would keep nothing at all.
+
+The defaults describe plain greedy decoding: temperature 0, every filter off.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+_SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes at most 64 bits
+
+
+def _as_int(name: str, value: Any) -> int:
+    # bool is a subclass of int in Python: top_k=True is almost surely a mistake, so refuse it.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    return int(value)
+
+
+def _as_float(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    value = float(value)
+    # NaN compares False with everything, so it would slip through every range check below.
+    if math.isnan(value):
+        raise ValueError(f"{name} must be a number, got nan")
+    if math.isinf(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def _as_stop(value: Any) -> tuple[str, ...]:
+    # A single string is one stop string, not a sequence of one-character stop strings.
+    if isinstance(value, str):
+        value = (value,)
+    if not isinstance(value, Sequence):
+        raise TypeError(f"stop must be a str or a list of str, got {value!r} ({type(value).__name__})")
+    for s in value:
+        if not isinstance(s, str):
+            raise TypeError(f"stop strings must be str, got {s!r} ({type(s).__name__})")
+        if not s:
+            # The empty string occurs everywhere: it would stop generation before the first token.
+            raise ValueError("stop strings must be non-empty, got ''")
+    return tuple(value)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to turn logits into tokens, and when to stop.
+
+    Args:
+        max_new_tokens: the most tokens to generate (>= 0).
+        temperature: divides the logits before softmax (>= 0). Below 1 sharpens the
+            distribution, above 1 flattens it; 0 means greedy (always the most likely token).
+        top_k: keep only the k highest logits (and ties with the k-th); 0 turns it off.
+        top_p: nucleus sampling: keep the smallest set of most likely tokens whose probability
+            mass reaches ``top_p`` (in (0, 1]; 1 turns it off).
+        min_p: keep tokens whose probability is at least ``min_p`` times the top token's
+            (in [0, 1]; 0 turns it off).
+        repetition_penalty: > 1 discourages tokens already in the prompt or the output
+            (> 0; 1 turns it off).
+        num_beams: beam search width (>= 1; 1 means no beam search).
+        length_penalty: beam search only: a finished beam's score is divided by
+            ``length ** length_penalty`` (> 0 favours longer outputs, < 0 shorter ones).
+        stop: strings that end generation when they appear in the output (a str or a list
+            of str; normalised to a tuple of non-empty strings).
+        seed: seeds the random generator, so the same request draws the same tokens.
+        ignore_eos: keep generating past the end-of-sequence token (benchmarks use this to
+            get a fixed number of tokens).
+        n: completions to generate per prompt (>= 1).
+    """
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    num_beams: int = 1
+    length_penalty: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    ignore_eos: bool = False
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        # Normalise first (int -> float for the float fields, list -> tuple for stop), then
+        # check ranges. The dataclass is frozen, so the normalised values go in through
+        # object.__setattr__, the one sanctioned back door for __post_init__. Error messages
+        # quote the value as the user wrote it (-1, not -1.0).
+        given = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        ints = {name: _as_int(name, getattr(self, name)) for name in ("max_new_tokens", "top_k", "num_beams", "n")}
+        floats = {
+            name: _as_float(name, getattr(self, name))
+            for name in ("temperature", "top_p", "min_p", "repetition_penalty", "length_penalty")
+        }
+        for name, value in {**ints, **floats, "stop": _as_stop(self.stop)}.items():
+            object.__setattr__(self, name, value)
+        if self.seed is not None:
+            seed = _as_int("seed", self.seed)
+            if not 0 <= seed < _SEED_LIMIT:
+                raise ValueError(f"seed must be in [0, 2**64), got {seed}")
+            object.__setattr__(self, "seed", seed)
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r} ({type(self.ignore_eos).__name__})")
+
+        checks = [
+            ("max_new_tokens", self.max_new_tokens >= 0, ">= 0"),
+            ("temperature", self.temperature >= 0, ">= 0"),
+            ("top_k", self.top_k >= 0, ">= 0"),
+            ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
+            ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"),
+            ("repetition_penalty", self.repetition_penalty > 0, "> 0"),
+            ("num_beams", self.num_beams >= 1, ">= 1"),
+            ("n", self.n >= 1, ">= 1"),
+        ]
+        for name, ok, rule in checks:
+            if not ok:
+                raise ValueError(f"{name} must be {rule}, got {given[name]}")
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when each step simply takes the most likely token (temperature 0, one beam)."""
+        return self.temperature == 0 and self.num_beams == 1
+
+    @property
+    def do_sample(self) -> bool:
+        """True when each step draws at random from the filtered distribution."""
+        return self.temperature > 0 and self.num_beams == 1

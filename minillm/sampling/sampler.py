@@ -1,0 +1,92 @@
+"""Stage 3 of the pipeline: logits [batch, vocab] -> one next token id per row.
+
+Two decoding rules, both after the logits processors have run:
+
+* **greedy** (temperature 0): take the argmax. Deterministic, and the right choice for short
+  factual answers; on open-ended text it tends to loop, since nothing ever moves it off the
+  single most likely path.
+* **sampling** (temperature > 0): softmax the processed scores into probabilities and draw one
+  token from them with ``torch.multinomial``. Filtered tokens have logit -inf, hence
+  probability exactly 0, so they can never be drawn.
+
+Randomness comes from an explicit ``torch.Generator`` rather than torch's global seed: each
+request can carry its own seed and get the same tokens however it is batched with others, and
+nothing else in the program (or another request) can shift its random stream.
+
+Everything here works on whole tensors: no Python loop ever runs over the vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minillm.sampling.params import SamplingParams
+from minillm.sampling.processors import apply_processors, build_processors
+
+
+def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torch.Generator | None:
+    """A ``torch.Generator`` on ``device`` seeded with ``seed``, or None when ``seed`` is None.
+
+    The generator must live on the same device as the probabilities it draws from (a CUDA
+    tensor needs a CUDA generator). None means "use torch's global random state".
+    """
+    if seed is None:
+        return None
+    generator = torch.Generator(device=torch.device(device))
+    generator.manual_seed(seed)
+    return generator
+
+
+def _processed_scores(logits: torch.Tensor, input_ids: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
+    if input_ids.dim() != 2 or input_ids.shape[0] != logits.shape[0]:
+        raise ValueError(
+            f"input_ids must be [batch, seq] with batch {logits.shape[0]}, got shape {tuple(input_ids.shape)}"
+        )
+    if not (params.is_greedy or params.do_sample):
+        raise ValueError(
+            f"next_token picks one token per row; num_beams={params.num_beams} needs a beam-search decoder"
+        )
+    # Softmax and the cumulative sums of top-p lose too much in bf16/fp16: work in float32.
+    # (.float() returns the tensor itself when it already is float32; no processor writes in place.)
+    return apply_processors(build_processors(params), input_ids, logits.float())
+
+
+def filtered_distribution(logits: torch.Tensor, input_ids: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The probabilities [batch, vocab] that ``next_token`` picks from.
+
+    For sampling it is the softmax of the processed scores; for greedy decoding it is all the
+    mass on the argmax (a one-hot row), the temperature -> 0 limit of sampling.
+    """
+    scores = _processed_scores(logits, input_ids, params)
+    if params.is_greedy:
+        return torch.nn.functional.one_hot(scores.argmax(dim=-1), scores.shape[-1]).to(scores.dtype)
+    return scores.softmax(dim=-1)
+
+
+def next_token(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """One next token id per row: a LongTensor [batch].
+
+    Args:
+        logits: the model's scores for the next position, [batch, vocab] (any float dtype).
+        input_ids: each row's tokens so far (prompt + generated), [batch, seq]; only the
+            repetition penalty reads them. Pad ragged rows with an id >= vocab size.
+        params: temperature, filters and penalty (``num_beams`` must be 1).
+        generator: the random stream for sampling (see ``make_generator``); ignored by greedy.
+    """
+    scores = _processed_scores(logits, input_ids, params)
+    if params.is_greedy:
+        return scores.argmax(dim=-1)
+    if generator is not None and generator.device.type != scores.device.type:
+        raise ValueError(
+            f"the generator is on {generator.device} but the logits are on {scores.device}: "
+            "create it with make_generator(seed, logits.device)"
+        )
+    probs = scores.softmax(dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
