@@ -25,7 +25,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from minillm.cache import OutOfBlocksError, PagedKVCache
+from minillm.cache import OutOfBlocksError, PagedBatch, PagedKVCache
 from minillm.engine.beam import beam_search
 from minillm.engine.request import Completion, Request
 from minillm.model.llama import Transformer
@@ -64,6 +64,7 @@ class Engine:
         default_eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
         self.eos_ids = frozenset(eos_ids if eos_ids is not None else default_eos)
         self._next_seq_id = 0
+        self.preemptions = 0  # requests sent back to the queue because the pool ran out
 
     # ------------------------------------------------------------------ public API
     def generate(
@@ -125,7 +126,7 @@ class Engine:
                 f"the prompt has {len(prompt_ids)} tokens; with max_new_tokens={params.max_new_tokens} "
                 f"it exceeds the context window of {context}"
             )
-        seed = None if params.seed is None else params.seed + index
+        seed = None if params.seed is None else (params.seed + index) % 2**64  # completion i of n: its own stream
         request = Request(
             self._new_seq_id(), prompt, prompt_ids, params, self.tokenizer, self.eos_ids,
             make_generator(seed, self.model.device),
@@ -141,7 +142,7 @@ class Engine:
         waiting = deque(r for r in requests if not r.finished)
         running: list[Request] = []
         while waiting or running:
-            while waiting and len(running) < self.max_batch_size and self._fits(waiting[0]):
+            while waiting and len(running) < self.max_batch_size and self._fits(waiting[0], len(running)):
                 request = waiting.popleft()
                 yield request, self._prefill(request)
                 if request.finished:
@@ -155,13 +156,7 @@ class Engine:
                         f"({self.cache.allocator.num_blocks} blocks of {self.cache.block_size} tokens)"
                     )
                 break
-            try:
-                batch = self.cache.prepare([r.seq_id for r in running], 1)
-            except OutOfBlocksError:
-                victim = running.pop()  # the most recent arrival
-                self.cache.free_sequence(victim.seq_id)
-                waiting.appendleft(victim)
-                continue
+            batch = self._prepare_or_preempt(running, waiting)
             step_ids = torch.tensor([[r.output_ids[-1]] for r in running], device=self.model.device)
             logits = self.model(step_ids, cache=batch, last_only=True)[:, -1]
             still_running = []
@@ -173,10 +168,27 @@ class Engine:
                     still_running.append(request)
             running = still_running
 
-    def _fits(self, request: Request) -> bool:
-        """Room for the prompt (and tokens so far, after a preemption) plus the next token."""
+    def _prepare_or_preempt(self, running: list[Request], waiting: deque[Request]) -> PagedBatch:
+        """Reserve one token for every running request, preempting the newest until it fits.
+
+        Each step therefore decodes at least one request, so the engine always makes progress.
+        """
+        while True:
+            try:
+                return self.cache.prepare([r.seq_id for r in running], 1)
+            except OutOfBlocksError:
+                if len(running) == 1:
+                    raise
+                victim = running.pop()  # the most recent arrival
+                self.cache.free_sequence(victim.seq_id)
+                waiting.appendleft(victim)
+                self.preemptions += 1
+
+    def _fits(self, request: Request, n_running: int) -> bool:
+        """Room for the request's tokens plus its next one, keeping one spare block per running
+        request so that admitting it does not immediately force a preemption."""
         needed = math.ceil((len(request.all_ids) + 1) / self.cache.block_size)
-        return needed <= self.cache.allocator.num_free
+        return needed + n_running <= self.cache.allocator.num_free
 
     def _prefill(self, request: Request) -> str:
         """One forward over the request's tokens fills its blocks and samples the next token."""
