@@ -36,7 +36,11 @@ lab: setup
 	$(PYTHON) -m jupyter lab notebooks
 
 bench: setup
+	$(PYTHON) -m minillm bench model
 	$(PYTHON) -m minillm bench tokenizer
+	$(PYTHON) -m minillm bench cache
+	$(PYTHON) -m minillm bench batching
+	$(PYTHON) -m minillm bench load
 
 clean:
 	rm -rf $(VENV) .minillm-installed-env .pytest_cache .hypothesis

@@ -14,7 +14,6 @@ import time
 
 from typing import TYPE_CHECKING
 
-from minillm.assets import corpus_path, default_gguf_path
 
 if TYPE_CHECKING:
     from minillm.model import Transformer
@@ -23,32 +22,42 @@ if TYPE_CHECKING:
 
 
 def demo() -> None:
-    """The most complete thing minillm does so far: train a tokenizer, then stream with SmolLM2's."""
-    from minillm.tokenizer import Tokenizer, train_bpe
+    """The finished pipeline: real weights, a streamed chat answer, continuous batching, tokens/s."""
+    import torch
 
-    corpus = corpus_path()
-    text = corpus.read_text(encoding="utf-8")
-    print(f"[1/2] Training a 1024-token byte-level BPE on {corpus.name} ({len(text) / 1e6:.2f} MB)")
+    from minillm.engine import Engine
+    from minillm.model import load_model, validate
+    from minillm.sampling import SamplingParams
+
     start = time.perf_counter()
-    ours = train_bpe(text, 1024, special_tokens=["<|endoftext|>"])
-    print(f"      {len(ours.merges)} merges in {time.perf_counter() - start:.1f} s; the first ten:")
-    print("      " + "  ".join(repr(ours.id_to_token(256 + i)) for i in range(10)))
-    line = "To be, or not to be, that is the question."
-    ids = ours.encode(line)
-    print(f"      {line!r} -> {len(ids)} tokens: {[ours.id_to_token(i) for i in ids]}")
+    model, tok = load_model()  # the first run converts the GGUF once (a progress bar on stderr)
+    where = "CUDA" if model.device.type == "cuda" else "CPU (no CUDA device found; the same code runs on a GPU)"
+    print(f"SmolLM2-135M-Instruct loaded on {where} in {time.perf_counter() - start:.1f} s")
+    report = validate(model, tok)
+    print(f"validate(): {'all three checks ok' if report.ok else report}")
 
-    print("[2/2] SmolLM2-135M-Instruct's tokenizer, read from its GGUF file")
-    smol = Tokenizer.from_file(default_gguf_path())
-    sentence = "Streaming detokenization never splits a character: 苹果手机很好用 👋🏽"
-    ids = smol.encode(sentence)
-    print(f"      {len(ids)} ids: {ids}")
-    print("      streamed back, one push per id ('|' between non-empty pieces):")
-    stream = smol.streaming_decoder()
-    pieces = [stream.push(i) for i in ids] + [stream.flush()]
-    print("      " + "|".join(p for p in pieces if p))
-    held = sum(1 for p in pieces[:-1] if not p)
-    print(f"      {held} pushes completed no character yet and returned ''; joined == decode(ids): "
-          f"{''.join(pieces) == smol.decode(ids)}")
+    engine = Engine(model, tok)
+    question = "What is the capital of France? Answer in one sentence, then name one famous museum there."
+    print(f"\nuser> {question}\nassistant> ", end="", flush=True)
+    start = time.perf_counter()
+    n_tokens = 0
+    for piece in engine.stream_chat([{"role": "user", "content": question}], SamplingParams(max_new_tokens=64)):
+        print(piece, end="", flush=True)
+        n_tokens += 1
+    elapsed = time.perf_counter() - start
+    print(f"\n[streamed {n_tokens} pieces in {elapsed:.2f} s: {n_tokens / elapsed:.1f} tokens/s, batch 1]")
+
+    prompts = ["The three primary colors are", "def is_prime(n):", "A haiku about the sea:", "The speed of light is"]
+    start = time.perf_counter()
+    completions = engine.generate(prompts, SamplingParams(max_new_tokens=32, temperature=0.7, top_p=0.9, seed=0))
+    elapsed = time.perf_counter() - start
+    total = sum(len(c.token_ids) for c in completions)
+    print(f"\ncontinuous batching, {len(prompts)} sampled requests at once "
+          f"({total} tokens in {elapsed:.2f} s: {total / elapsed:.1f} tokens/s):")
+    for prompt, completion in zip(prompts, completions):
+        print(f"  {prompt!r} -> {completion.text.strip()[:70]!r}")
+    print(f"\ntorch {torch.__version__}, {torch.get_num_threads()} threads. Next: `make test`, `make lab`, "
+          "`python -m minillm bench`.")
 
 
 def _sampling_params(args: argparse.Namespace) -> SamplingParams:
@@ -174,8 +183,10 @@ def main(argv: list[str] | None = None) -> int:
 
     commands.add_parser("demo", help="run the end-to-end demo")
     bench = commands.add_parser("bench", help="benchmarks against the reference libraries")
-    bench.add_argument("target", choices=["tokenizer", "cache", "load"])
+    bench.add_argument("target", nargs="?", default="model", choices=["model", "tokenizer", "cache", "batching", "load"])
     bench.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    bench.add_argument("--device", default=None, help="model benchmark device (default: cuda if available)")
+    bench.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = parser.parse_args(argv)
 
     try:
@@ -189,8 +200,10 @@ def main(argv: list[str] | None = None) -> int:
             from minillm import bench as benchmarks
 
             run, report = {
+                "model": (lambda: benchmarks.bench_model(args.device, args.dtype), benchmarks.print_model_report),
                 "tokenizer": (benchmarks.bench_tokenizer, benchmarks.print_tokenizer_report),
                 "cache": (benchmarks.bench_cache, benchmarks.print_cache_report),
+                "batching": (benchmarks.bench_batching, benchmarks.print_batching_report),
                 "load": (benchmarks.bench_load, lambda r: print(f"load_model() after conversion: {r['load_s']:.2f} s")),
             }[args.target]
             results = run()

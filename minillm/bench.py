@@ -11,10 +11,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from minillm.assets import corpus_path, default_gguf_path, gpt2_vocab_dir
 from minillm.tokenizer import Tokenizer, train_bpe
+
+if TYPE_CHECKING:
+    import torch
 
 
 def best_time(fn: Callable[[], Any], repeats: int = 3) -> float:
@@ -190,3 +193,136 @@ def print_cache_report(r: dict[str, Any]) -> None:
           f"paged takes {r['paged_over_contiguous']:.2f}x contiguous's time (goal: <= 1.3x)")
     print(f"KV memory waste on a mixed workload (64 requests, prompts 20-500, outputs 10-400, block 16):")
     print(f"  paged {100 * r['paged_waste']:.1f}% (goal: < 4%), contiguous preallocation {100 * r['contiguous_waste']:.1f}%")
+
+
+def measure_bandwidth(device: torch.device, nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
+    """Achievable read bandwidth in bytes/s: the best time to sum a large buffer (a STREAM-like read)."""
+    import torch
+
+    buffer = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+
+    def read() -> None:
+        buffer.sum()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    return nbytes / best_time(read, repeats)
+
+
+def bench_model(device: str | None = None, dtype: str = "float32", new_tokens: int = 128,
+                prompt_tokens: int = 256) -> dict[str, Any]:
+    """Prefill and decode tokens/s of minillm and transformers on the same weights, device and
+    dtype, measured in one run; plus the device's bandwidth and the roofline fraction reached."""
+    import torch
+
+    from minillm.generate import greedy_static
+    from minillm.model import load_model
+    from minillm.reference import hf_gguf_model
+
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    model, tok = load_model(device=device, dtype=torch_dtype)
+    dev = model.device
+    reference = hf_gguf_model().to(device=dev, dtype=torch_dtype)
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    text = corpus_path().read_text(encoding="utf-8")
+    prompt = tok.encode(text)[:prompt_tokens]
+    short = prompt[:16]
+    x = torch.tensor([prompt], device=dev)
+    results: dict[str, Any] = {
+        "device": str(dev), "dtype": dtype, "threads": torch.get_num_threads(),
+        "prompt_tokens": len(prompt), "new_tokens": new_tokens,
+    }
+    with torch.inference_mode():
+        def prefill_ours() -> None:
+            model(x, last_only=True)
+            sync()
+
+        def prefill_hf() -> None:
+            reference(x, logits_to_keep=1)
+            sync()
+
+        results["prefill_tok_s_minillm"] = len(prompt) / best_time(prefill_ours)
+        results["prefill_tok_s_hf"] = len(prompt) / best_time(prefill_hf)
+
+        def decode_ours() -> None:
+            greedy_static(model, short, new_tokens)
+            sync()
+
+        def decode_hf() -> None:
+            ids = torch.tensor([short], device=dev)
+            reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                               min_new_tokens=new_tokens, do_sample=False, pad_token_id=tok.pad_id)
+            sync()
+
+        results["decode_tok_s_minillm"] = new_tokens / best_time(decode_ours)
+        results["decode_tok_s_hf"] = new_tokens / best_time(decode_hf)
+    results["prefill_ratio"] = results["prefill_tok_s_minillm"] / results["prefill_tok_s_hf"]
+    results["decode_ratio"] = results["decode_tok_s_minillm"] / results["decode_tok_s_hf"]
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    bandwidth = measure_bandwidth(dev)
+    results["weight_bytes"] = weight_bytes
+    results["bandwidth_gb_s"] = bandwidth / 1e9
+    results["roofline_tok_s"] = bandwidth / weight_bytes  # every decode step reads every weight once
+    results["roofline_fraction"] = results["decode_tok_s_minillm"] / results["roofline_tok_s"]
+    return results
+
+
+def print_model_report(r: dict[str, Any]) -> None:
+    print(f"SmolLM2-135M-Instruct on {r['device']} ({r['dtype']}, {r['threads']} threads)")
+    print(f"{'':<34}{'minillm':>12}{'transformers':>14}   ratio")
+    print(f"{'prefill, ' + str(r['prompt_tokens']) + ' tokens (tok/s)':<34}"
+          f"{r['prefill_tok_s_minillm']:>12.1f}{r['prefill_tok_s_hf']:>14.1f}   {r['prefill_ratio']:.2f}x")
+    print(f"{'decode, batch 1, ' + str(r['new_tokens']) + ' tokens (tok/s)':<34}"
+          f"{r['decode_tok_s_minillm']:>12.1f}{r['decode_tok_s_hf']:>14.1f}   {r['decode_ratio']:.2f}x")
+    print(f"memory bandwidth {r['bandwidth_gb_s']:.1f} GB/s; weights {r['weight_bytes'] / 1e6:.0f} MB per decode step "
+          f"-> roofline {r['roofline_tok_s']:.1f} tok/s; minillm reaches {100 * r['roofline_fraction']:.0f}% of it")
+
+
+BATCH_PROMPTS = [
+    ("The capital of France is", 24),
+    ("def fibonacci(n):\n    ", 64),
+    ("Once upon a time, in a small village at the edge of a great forest, there lived", 48),
+    ("List three colors:", 16),
+    ("The quick brown fox", 56),
+    ("In 1969, astronauts", 32),
+    ("import numpy as np\n", 40),
+    ("Dear diary, today I", 20),
+]
+
+
+def bench_batching(max_batch_size: int = 8) -> dict[str, Any]:
+    """Continuous batching: 8 greedy requests of mixed prompt and output lengths, run one by one
+    and then together on one engine; same outputs, aggregate tokens/s compared."""
+    from minillm.engine import Engine
+    from minillm.model import load_model
+    from minillm.sampling import SamplingParams
+
+    model, tok = load_model()
+    engine = Engine(model, tok, max_batch_size=max_batch_size)
+    prompts = [p for p, _ in BATCH_PROMPTS]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for _, n in BATCH_PROMPTS]
+    start = time.perf_counter()
+    alone = [engine.generate([p], ps)[0] for p, ps in zip(prompts, params)]
+    one_by_one_s = time.perf_counter() - start
+    start = time.perf_counter()
+    together = engine.generate(prompts, params)
+    batched_s = time.perf_counter() - start
+    tokens = sum(len(c.token_ids) for c in together)
+    return {
+        "requests": len(prompts),
+        "tokens": tokens,
+        "one_by_one_tok_s": tokens / one_by_one_s,
+        "batched_tok_s": tokens / batched_s,
+        "speedup": one_by_one_s / batched_s,
+        "same_outputs": [c.token_ids for c in alone] == [c.token_ids for c in together],
+    }
+
+
+def print_batching_report(r: dict[str, Any]) -> None:
+    print(f"{r['requests']} requests, {r['tokens']} generated tokens (greedy, mixed lengths):")
+    print(f"  one by one {r['one_by_one_tok_s']:.1f} tok/s, continuous batching {r['batched_tok_s']:.1f} tok/s: "
+          f"{r['speedup']:.2f}x (goal: >= 3x); identical outputs: {r['same_outputs']}")

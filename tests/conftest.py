@@ -1,4 +1,4 @@
-"""Shared fixtures for the tokenizer tests.
+"""Shared fixtures.
 
 Everything expensive is built once per session: SmolLM2's tokenizer read from its GGUF file
 (~3 s), the transformers reference reading the same GGUF (~6 s), GPT-2 (minillm and HF
@@ -23,6 +23,14 @@ TRAINED_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TRAINED_VOCAB_SIZE = 400
 # A slice of the corpus from inside the plays (not the title page).
 CORPUS_SLICE = slice(200_000, 260_000)
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    """The real SmolLM2-135M-Instruct and its tokenizer (fp32, CPU), loaded once."""
+    from minillm import load_model
+
+    return load_model(device="cpu")
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,6 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import minillm
 from minillm.engine import Engine, StopStringFilter
 from minillm.reference import hf_gguf_model
 from minillm.sampling import SamplingParams
@@ -29,11 +28,6 @@ MIXED = [  # (prompt, max_new_tokens): mixed prompt and output lengths
     ("import numpy as np\n", 30),
     ("Dear diary, today I", 5),
 ]
-
-
-@pytest.fixture(scope="module")
-def smollm():
-    return minillm.load_model(device="cpu")
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import minillm
 from minillm.generate import generate_greedy
 from minillm.reference import hf_gguf_model
 
@@ -23,11 +22,6 @@ PROMPTS = [
 NEW_TOKENS = 32
 ODD_BLOCK = 6  # divides none of the prompt lengths (checked below)
 REPO = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module")
-def smollm():
-    return minillm.load_model(device="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -112,3 +106,12 @@ def test_cli_bad_arguments_exit_non_zero_without_traceback(tmp_path):
     assert "no model at" in result.stderr and "Traceback" not in result.stderr
     result = _cli("generate", "--prompt", "x", "--block-size", "0")
     assert result.returncode != 0 and "--block-size" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_fast_static_loop_matches_transformers(smollm, prompt_ids, transformers_greedy):
+    """The benchmark's loop (unchecked model.run, tokens kept on device) is still exact."""
+    from minillm.generate import greedy_static
+
+    model, _ = smollm
+    for ids, expected in zip(prompt_ids, transformers_greedy):
+        assert greedy_static(model, ids, NEW_TOKENS)[: len(expected)] == expected

@@ -18,11 +18,6 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def smollm():
-    return minillm.load_model(device="cpu")
-
-
-@pytest.fixture(scope="module")
 def reference():
     return hf_gguf_model()
 

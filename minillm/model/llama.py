@@ -113,16 +113,31 @@ class Transformer(torch.nn.Module):
                 f"position {int(position_ids.max())} is past the context window of "
                 f"{self.config.max_position_embeddings} tokens"
             )
-        cos, sin = self.rotary(position_ids, self.dtype)
         if cache is not None:
             mask = cache.mask(attention_mask, seq)
         else:
             mask = build_mask(attention_mask, seq, seq, input_ids.device)
+        return self.run(input_ids, position_ids, mask, cache, last_only)
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        mask: torch.Tensor,
+        cache: KVCache | None = None,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """The forward pass itself, with no input checks: ``forward`` validates, then calls this.
+
+        Checking ids and positions means reading values back from the device (a host sync);
+        a decode loop whose inputs are correct by construction calls ``run`` directly.
+        """
+        cos, sin = self.rotary(position_ids, self.dtype)
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
             x = layer(x, cos, sin, mask, cache)
         if cache is not None:
-            cache.advance(seq)
+            cache.advance(input_ids.shape[1])
         if last_only:
             x = x[:, -1:]
         return self.lm_head(self.norm(x))
