@@ -223,3 +223,29 @@ def test_parameter_count_matches_real_models():
         hf_model = transformers.AutoModelForCausalLM.from_config(hf_config)
         ours = ModelConfig.from_hf(hf_config.to_dict())
         assert parameter_count(ours) == sum(p.numel() for p in hf_model.parameters())
+
+
+def test_packed_prefill_fills_the_same_blocks_as_one_by_one_prefills():
+    g = torch.Generator().manual_seed(3)
+    lengths = [5, 1, 9]
+    keys = [torch.randn(1, 2, n, 4, generator=g) for n in lengths]
+    one_by_one = PagedKVCache(TINY, 8, block_size=4)
+    packed = PagedKVCache(TINY, 8, block_size=4)
+    for s, k in enumerate(keys):
+        one_by_one.add_sequence(s)
+        packed.add_sequence(s)
+        step = one_by_one.prepare([s], lengths[s])
+        step.update(0, k, k)
+        step.advance(lengths[s])
+    batch = packed.prepare_prefill([0, 1, 2], lengths)
+    flat = torch.cat(keys, dim=2)
+    batch.update(0, flat, flat)
+    batch.advance(sum(lengths))
+    mask = batch.mask(None, sum(lengths))[0, 0]
+    assert mask[5, 5] and not mask[5, 4] and not mask[6, 0]  # sequence 1 sees only itself
+    assert batch.last_index.tolist() == [4, 5, 14]
+    for s in range(3):
+        assert one_by_one.lengths[s] == packed.lengths[s] == lengths[s]
+        ours, _ = packed.prepare([s], 0).update(0, flat[:, :, :0], flat[:, :, :0])
+        theirs, _ = one_by_one.prepare([s], 0).update(0, flat[:, :, :0], flat[:, :, :0])
+        assert torch.equal(ours, theirs) and torch.equal(ours, keys[s])

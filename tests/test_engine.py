@@ -48,7 +48,7 @@ def test_continuous_batching_equals_one_by_one(smollm, one_by_one):
 
 def test_small_batch_and_tight_pool_force_waiting_and_preemption_without_changing_outputs(smollm, one_by_one):
     model, tok = smollm
-    engine = Engine(model, tok, max_batch_size=3, kv_cache_tokens=96, block_size=8)
+    engine = Engine(model, tok, max_batch_size=3, kv_cache_tokens=64, block_size=8)
     batched = engine.generate([p for p, _ in MIXED], [SamplingParams(max_new_tokens=n) for _, n in MIXED])
     assert engine.preemptions > 0
     assert [c.token_ids for c in batched] == [c.token_ids for c in one_by_one]

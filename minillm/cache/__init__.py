@@ -3,7 +3,7 @@
 from minillm.cache.base import KVCache, OutOfBlocksError
 from minillm.cache.contiguous import ContiguousKVCache
 from minillm.cache.memory import MemoryBudget, kv_bytes_per_token, memory_budget, parameter_count
-from minillm.cache.paged import BlockAllocator, PagedBatch, PagedKVCache
+from minillm.cache.paged import BlockAllocator, PackedPrefill, PagedBatch, PagedKVCache
 
 __all__ = [
     "BlockAllocator",
@@ -11,6 +11,7 @@ __all__ = [
     "KVCache",
     "MemoryBudget",
     "OutOfBlocksError",
+    "PackedPrefill",
     "PagedBatch",
     "PagedKVCache",
     "kv_bytes_per_token",

@@ -138,6 +138,23 @@ class PagedKVCache:
                 table.append(self.allocator.allocate())
         return PagedBatch(self, list(seq_ids), q_len)
 
+    def prepare_prefill(self, seq_ids: Sequence[int], lengths: Sequence[int]) -> PackedPrefill:
+        """Reserve blocks for new (empty) sequences' prompts and pack them for one forward."""
+        for seq_id in seq_ids:
+            if self.lengths[seq_id] != 0:
+                raise ValueError(f"sequence {seq_id} is not new: a packed prefill starts from an empty sequence")
+        needed = sum(math.ceil(n / self.block_size) for n in lengths)
+        if needed > self.allocator.num_free:
+            raise OutOfBlocksError(
+                f"the prompts need {needed} blocks but only {self.allocator.num_free} of "
+                f"{self.allocator.num_blocks} are free (block_size {self.block_size})"
+            )
+        for seq_id, n in zip(seq_ids, lengths):
+            table = self.block_tables[seq_id]
+            while len(table) * self.block_size < n:
+                table.append(self.allocator.allocate())
+        return PackedPrefill(self, list(seq_ids), list(lengths))
+
     def _copy_on_write(self, seq_id: int) -> None:
         """Give ``seq_id`` its own copy of a shared, partly filled last block before writing to it."""
         table, length = self.block_tables[seq_id], self.lengths[seq_id]
@@ -213,3 +230,54 @@ class PagedBatch:
     def advance(self, q_len: int) -> None:
         for seq_id in self.seq_ids:
             self.cache.lengths[seq_id] += q_len
+
+
+class PackedPrefill:
+    """Several *new* sequences' prompts packed into one row, so one forward fills all their blocks.
+
+    Prefilling requests one at a time runs the weights through memory once per request; packing
+    their prompts end to end (``[1, total_tokens]``) runs them once for all. A block-diagonal
+    causal mask keeps each prompt's tokens from seeing the others', and each token's key and
+    value go to its own sequence's blocks.
+    """
+
+    def __init__(self, cache: PagedKVCache, seq_ids: list[int], lengths: list[int]) -> None:
+        self.cache = cache
+        self.seq_ids = seq_ids
+        self.lengths = lengths
+        device = cache.k[0].device
+        bs = cache.block_size
+        positions = torch.cat([torch.arange(n, device=device) for n in lengths])
+        owner = torch.cat([torch.full((n,), i, device=device) for i, n in enumerate(lengths)])
+        tables = [cache.block_tables[s] for s in seq_ids]
+        width = max(len(t) for t in tables)
+        block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=device)
+        self.slot_blocks = block_table[owner, positions // bs]
+        self.slot_offsets = positions % bs
+        self._positions = positions[None]
+        same_sequence = owner[:, None] == owner[None, :]
+        causal = positions[None, :] <= positions[:, None]
+        self._mask = (same_sequence & causal)[None, None]
+        self.last_index = torch.tensor(lengths, device=device).cumsum(0) - 1  # each prompt's last token
+
+    @property
+    def past_length(self) -> int:
+        return 0
+
+    def positions(self, q_len: int) -> torch.Tensor:
+        return self._positions
+
+    def mask(self, attention_mask: torch.Tensor | None, q_len: int) -> torch.Tensor:
+        if attention_mask is not None:
+            raise ValueError("a packed prefill holds unpadded sequences: pass no attention_mask")
+        return self._mask
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        _, n_kv_heads, total, head_dim = k.shape
+        self.cache.k[layer][self.slot_blocks, :, self.slot_offsets] = k[0].transpose(0, 1)
+        self.cache.v[layer][self.slot_blocks, :, self.slot_offsets] = v[0].transpose(0, 1)
+        return k, v  # fresh sequences: the prompts' own keys are all there is to attend to
+
+    def advance(self, q_len: int) -> None:
+        for seq_id, n in zip(self.seq_ids, self.lengths):
+            self.cache.lengths[seq_id] += n

@@ -142,13 +142,20 @@ class Engine:
         waiting = deque(r for r in requests if not r.finished)
         running: list[Request] = []
         while waiting or running:
-            while waiting and len(running) < self.max_batch_size and self._fits(waiting[0], len(running)):
-                request = waiting.popleft()
-                yield request, self._prefill(request)
-                if request.finished:
-                    self.cache.free_sequence(request.seq_id)
-                else:
-                    running.append(request)
+            admitted: list[Request] = []
+            while (
+                waiting
+                and len(running) + len(admitted) < self.max_batch_size
+                and self._fits(waiting[0], admitted, len(running))
+            ):
+                admitted.append(waiting.popleft())
+            if admitted:
+                for request, delta in zip(admitted, self._prefill(admitted)):
+                    yield request, delta
+                    if request.finished:
+                        self.cache.free_sequence(request.seq_id)
+                    else:
+                        running.append(request)
             if not running:
                 if waiting:
                     raise OutOfBlocksError(
@@ -184,23 +191,33 @@ class Engine:
                 waiting.appendleft(victim)
                 self.preemptions += 1
 
-    def _fits(self, request: Request, n_running: int) -> bool:
-        """Room for the request's tokens plus its next one, keeping one spare block per running
-        request so that admitting it does not immediately force a preemption."""
-        needed = math.ceil((len(request.all_ids) + 1) / self.cache.block_size)
-        return needed + n_running <= self.cache.allocator.num_free
+    def _fits(self, request: Request, admitted: list[Request], n_running: int) -> bool:
+        """Room for the prompts admitted this step plus ``request``'s, keeping one spare block
+        per running or admitted request so that the next decode step does not immediately
+        force a preemption."""
+        prompts = admitted + [request]
+        needed = sum(math.ceil(len(r.all_ids) / self.cache.block_size) for r in prompts)
+        return needed + n_running + len(prompts) <= self.cache.allocator.num_free
 
-    def _prefill(self, request: Request) -> str:
-        """One forward over the request's tokens fills its blocks and samples the next token."""
-        self.cache.add_sequence(request.seq_id)
-        ids = request.all_ids  # after a preemption, the tokens generated so far are recomputed too
-        if request.output_ids:
-            ids = ids[:-1]
-        batch = self.cache.prepare([request.seq_id], len(ids))
-        logits = self.model(torch.tensor([ids], device=self.model.device), cache=batch, last_only=True)[:, -1]
-        if request.output_ids:  # resumed: the last token is already chosen, decode continues from it
-            return ""
-        return request.append(self._sample(request, logits))
+    def _prefill(self, requests: list[Request]) -> list[str]:
+        """One forward over all admitted prompts, packed end to end, fills their blocks; each
+        request then samples its first token. A preempted request recomputes its prompt and the
+        tokens it had generated (all but the last, which the next decode step feeds in)."""
+        token_lists = []
+        for request in requests:
+            self.cache.add_sequence(request.seq_id)
+            ids = request.all_ids
+            token_lists.append(ids[:-1] if request.output_ids else ids)
+        packed = self.cache.prepare_prefill([r.seq_id for r in requests], [len(t) for t in token_lists])
+        flat = torch.tensor([[t for tokens in token_lists for t in tokens]], device=self.model.device)
+        logits = self.model(flat, cache=packed)[0, packed.last_index]
+        deltas = []
+        for row, request in enumerate(requests):
+            if request.output_ids:  # resumed: the next token is already chosen
+                deltas.append("")
+            else:
+                deltas.append(request.append(self._sample(request, logits[row : row + 1])))
+        return deltas
 
     def _sample(self, request: Request, logits: torch.Tensor) -> int:
         history = torch.tensor([request.all_ids], device=logits.device)
