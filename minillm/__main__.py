@@ -39,13 +39,14 @@ def demo() -> None:
     engine = Engine(model, tok)
     question = "What is the capital of France? Answer in one sentence, then name one famous museum there."
     print(f"\nuser> {question}\nassistant> ", end="", flush=True)
+    messages = [{"role": "user", "content": question}]
+    params = SamplingParams(max_new_tokens=64)
     start = time.perf_counter()
-    n_tokens = 0
-    for piece in engine.stream_chat([{"role": "user", "content": question}], SamplingParams(max_new_tokens=64)):
+    for piece in engine.stream_chat(messages, params):
         print(piece, end="", flush=True)
-        n_tokens += 1
     elapsed = time.perf_counter() - start
-    print(f"\n[streamed {n_tokens} pieces in {elapsed:.2f} s: {n_tokens / elapsed:.1f} tokens/s, batch 1]")
+    n_tokens = len(engine.chat(messages, params).token_ids)  # greedy: the same tokens again, now counted
+    print(f"\n[{n_tokens} tokens streamed in {elapsed:.2f} s: {n_tokens / elapsed:.1f} tokens/s, batch 1]")
 
     prompts = ["The three primary colors are", "def is_prime(n):", "A haiku about the sea:", "The speed of light is"]
     start = time.perf_counter()
