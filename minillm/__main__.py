@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
 
     commands.add_parser("demo", help="run the end-to-end demo")
     bench = commands.add_parser("bench", help="benchmarks against the reference libraries")
-    bench.add_argument("target", nargs="?", default="model", choices=["model", "tokenizer", "cache", "batching", "load"])
+    bench.add_argument("target", nargs="?", default="model", choices=["model", "cpu", "tokenizer", "cache", "batching", "load"])
     bench.add_argument("--json", action="store_true", help="print the results as one JSON object")
     bench.add_argument("--device", default=None, help="model benchmark device (default: cuda if available)")
     bench.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -202,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
 
             run, report = {
                 "model": (lambda: benchmarks.bench_model(args.device, args.dtype), benchmarks.print_model_report),
+                "cpu": (benchmarks.bench_cpu_settings, benchmarks.print_cpu_settings_report),
                 "tokenizer": (benchmarks.bench_tokenizer, benchmarks.print_tokenizer_report),
                 "cache": (benchmarks.bench_cache, benchmarks.print_cache_report),
                 "batching": (benchmarks.bench_batching, benchmarks.print_batching_report),

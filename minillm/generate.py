@@ -141,29 +141,3 @@ def generate_greedy(
     if cache == "paged":
         return greedy_paged(model, prompts, max_new_tokens, eos_token_id, block_size)
     raise ValueError(f"cache must be one of {', '.join(CACHE_KINDS)}, got {cache!r}")
-
-
-@torch.inference_mode()
-def greedy_static(model: Transformer, input_ids: Sequence[int], max_new_tokens: int) -> list[int]:
-    """The fast decode loop for one prompt: exactly ``max_new_tokens`` greedy tokens (no EOS stop).
-
-    Everything a step needs is preallocated (the cache buffers, the output tensor), each step
-    is one unchecked ``model.run`` on the token chosen by the previous step, and the token never
-    leaves the device until the end: no ``.item()`` per token, so on a GPU the host never waits
-    for the device. This is the loop the benchmark times.
-    """
-    _check_request([input_ids], max_new_tokens)
-    device = model.device
-    prompt = torch.tensor([list(input_ids)], device=device)
-    cache = ContiguousKVCache(model.config, 1, prompt.shape[1] + max_new_tokens, device, model.dtype)
-    out = torch.empty(max_new_tokens, dtype=torch.long, device=device)
-    if max_new_tokens == 0:
-        return []
-    token = model(prompt, cache=cache, last_only=True)[:, -1].argmax(-1, keepdim=True)
-    out[0] = token[0, 0]
-    for step in range(1, max_new_tokens):
-        position = torch.full((1, 1), cache.length, device=device)
-        logits = model.run(token, position, cache.mask(None, 1), cache, last_only=True)
-        token = logits[:, -1].argmax(-1, keepdim=True)
-        out[step] = token[0, 0]
-    return out.tolist()

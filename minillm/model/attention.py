@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from minillm.model.config import ModelConfig
+from minillm.model.layers import Linear
 from minillm.model.rope import apply_rope
 
 if TYPE_CHECKING:
@@ -59,8 +60,13 @@ def attention_explicit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
 
 
 def attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The same computation through ``torch.nn.functional.scaled_dot_product_attention``."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    """The same computation through ``torch.nn.functional.scaled_dot_product_attention``.
+
+    ``k`` and ``v`` may have fewer heads than ``q`` (grouped-query attention): ``enable_gqa``
+    lets the kernel share each KV head across its query group without copying it (the same
+    numbers as ``repeat_kv``, bit for bit, and no ``n_groups``-times larger copy of the cache).
+    """
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
 class Attention(torch.nn.Module):
@@ -74,10 +80,10 @@ class Attention(torch.nn.Module):
         self.head_dim = config.head_dim
         self.use_sdpa = use_sdpa
         bias = config.attention_bias
-        self.q_proj = torch.nn.Linear(config.hidden_size, config.n_heads * config.head_dim, bias=bias)
-        self.k_proj = torch.nn.Linear(config.hidden_size, config.n_kv_heads * config.head_dim, bias=bias)
-        self.v_proj = torch.nn.Linear(config.hidden_size, config.n_kv_heads * config.head_dim, bias=bias)
-        self.o_proj = torch.nn.Linear(config.n_heads * config.head_dim, config.hidden_size, bias=False)
+        self.q_proj = Linear(config.hidden_size, config.n_heads * config.head_dim, bias=bias)
+        self.k_proj = Linear(config.hidden_size, config.n_kv_heads * config.head_dim, bias=bias)
+        self.v_proj = Linear(config.hidden_size, config.n_kv_heads * config.head_dim, bias=bias)
+        self.o_proj = Linear(config.n_heads * config.head_dim, config.hidden_size, bias=False)
 
     def forward(
         self,
@@ -96,8 +102,9 @@ class Attention(torch.nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)
-        n_groups = self.n_heads // self.n_kv_heads
-        k, v = repeat_kv(k, n_groups), repeat_kv(v, n_groups)
-        attend = attention_sdpa if self.use_sdpa else attention_explicit
-        out = attend(q, k, v, mask)
+        if self.use_sdpa:
+            out = attention_sdpa(q, k, v, mask)
+        else:
+            n_groups = self.n_heads // self.n_kv_heads
+            out = attention_explicit(q, repeat_kv(k, n_groups), repeat_kv(v, n_groups), mask)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))

@@ -1,9 +1,30 @@
-"""The two small layers of a Llama block: RMSNorm and the SwiGLU feed-forward network."""
+"""The small layers of a Llama block: Linear, RMSNorm and the SwiGLU feed-forward network."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+
+class Linear(torch.nn.Linear):
+    """``torch.nn.Linear``, plus a faster way to multiply a single row when compiled on a CPU.
+
+    Decoding one token multiplies one row vector by every weight matrix: a matrix-vector
+    product (GEMV), whose cost is reading the weights from memory once. MKL's one-row product
+    runs on one core and streams ~11 GB/s on the course machine, a third of what the memory
+    delivers. Written as ``(weight * x).sum(-1)``, the same product becomes a reduction that
+    ``torch.compile`` turns into one vectorized pass over the weights on every core, without
+    ever materializing ``weight * x``. Run eagerly, that form *would* materialize it, so the
+    rewrite applies only while compiling; everything else calls ``F.linear`` as usual.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling() and x.device.type == "cpu" and x.shape[:-1].numel() == 1:
+            y = (self.weight * x.reshape(1, -1)).sum(-1)
+            if self.bias is not None:
+                y = y + self.bias
+            return y.view(*x.shape[:-1], -1)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(torch.nn.Module):
@@ -35,9 +56,9 @@ class SwiGLU(torch.nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.gate_proj = torch.nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = torch.nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = torch.nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -13,7 +13,7 @@ import torch
 
 from minillm.model.attention import Attention, build_mask
 from minillm.model.config import ModelConfig
-from minillm.model.layers import RMSNorm, SwiGLU
+from minillm.model.layers import Linear, RMSNorm, SwiGLU
 from minillm.model.rope import RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -55,7 +55,7 @@ class Transformer(torch.nn.Module):
         self.embed_tokens = torch.nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = torch.nn.ModuleList(Block(config, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(

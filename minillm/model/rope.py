@@ -20,6 +20,7 @@ import math
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> torch.Tensor:
@@ -65,8 +66,8 @@ class RotaryEmbedding(torch.nn.Module):
 
         The tables stay float32; the result is cast to the caller's dtype as transformers does.
         """
-        cos = self.cos[position_ids].unsqueeze(1).to(dtype)
-        sin = self.sin[position_ids].unsqueeze(1).to(dtype)
+        cos = F.embedding(position_ids, self.cos).unsqueeze(1).to(dtype)  # a row lookup, as for token ids
+        sin = F.embedding(position_ids, self.sin).unsqueeze(1).to(dtype)
         return cos, sin
 
 
