@@ -1,9 +1,10 @@
-"""The KV cache, contiguous and paged: the engine's memory between steps (notebooks 07 and 08)."""
+"""The KV cache, contiguous and paged (notebooks 07 and 08), and static for a compiled step (10)."""
 
 from minillm.cache.base import KVCache, OutOfBlocksError
 from minillm.cache.contiguous import ContiguousKVCache
 from minillm.cache.memory import MemoryBudget, kv_bytes_per_token, memory_budget, parameter_count
 from minillm.cache.paged import BlockAllocator, PackedPrefill, PagedBatch, PagedKVCache
+from minillm.cache.static import StaticKVCache, StaticStep
 
 __all__ = [
     "BlockAllocator",
@@ -14,6 +15,8 @@ __all__ = [
     "PackedPrefill",
     "PagedBatch",
     "PagedKVCache",
+    "StaticKVCache",
+    "StaticStep",
     "kv_bytes_per_token",
     "memory_budget",
     "parameter_count",

@@ -60,7 +60,7 @@ class StaticKVCache:
                 f"the static KV cache holds {self.max_len} tokens; positions {start}..{end - 1} were asked for"
             )
         n_keys = min(self.max_len, -(-end // self.window) * self.window)
-        return StaticStep(self, start, self.positions[start:end], self.positions[:n_keys])
+        return StaticStep(self, self.positions[start:end], self.positions[:n_keys])
 
     @property
     def nbytes(self) -> int:
@@ -75,17 +75,16 @@ class StaticStep:
     allocates nothing and a compiled step can take them as inputs.
     """
 
-    def __init__(
-        self, cache: StaticKVCache, start: int, write_positions: torch.Tensor, key_positions: torch.Tensor
-    ) -> None:
+    def __init__(self, cache: StaticKVCache, write_positions: torch.Tensor, key_positions: torch.Tensor) -> None:
         self.cache = cache
-        self.start = start
         self.write_positions = write_positions
         self.key_positions = key_positions
 
     @property
     def past_length(self) -> int:
-        return self.start
+        """Reads the first position back from the device: only the checked ``forward`` (the
+        prefill) asks; the compiled step's ``run`` never does."""
+        return int(self.write_positions[0])
 
     def positions(self, q_len: int) -> torch.Tensor:
         return self.write_positions[None, :q_len]

@@ -78,7 +78,7 @@ class FastDecoder:
 
     def _decode_step(self, token: torch.Tensor, write_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
         """Logits [1, vocab] after feeding ``token`` [1, 1]: the function that gets compiled."""
-        step = StaticStep(self.cache, 0, write_positions, key_positions)
+        step = StaticStep(self.cache, write_positions, key_positions)
         logits = self.model.run(token, step.positions(1), step.mask(None, 1), step, last_only=True)
         return logits[:, -1]
 
