@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 from typing import TYPE_CHECKING
 
@@ -188,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--json", action="store_true", help="print the results as one JSON object")
     bench.add_argument("--device", default=None, help="model benchmark device (default: cuda if available)")
     bench.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    bench.add_argument("--model", type=Path, default=None,
+                       help="model benchmark: a .gguf file or HF checkpoint folder both libraries read (default: SmolLM2-135M-Instruct)")
     args = parser.parse_args(argv)
 
     try:
@@ -201,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
             from minillm import bench as benchmarks
 
             run, report = {
-                "model": (lambda: benchmarks.bench_model(args.device, args.dtype), benchmarks.print_model_report),
+                "model": (lambda: benchmarks.bench_model(args.device, args.dtype, source=args.model),
+                          benchmarks.print_model_report),
                 "cpu": (benchmarks.bench_cpu_settings, benchmarks.print_cpu_settings_report),
                 "tokenizer": (benchmarks.bench_tokenizer, benchmarks.print_tokenizer_report),
                 "cache": (benchmarks.bench_cache, benchmarks.print_cache_report),

@@ -229,31 +229,34 @@ def interleaved_best(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[st
 
 
 def bench_model(device: str | None = None, dtype: str = "float32", new_tokens: int = 128,
-                prompt_tokens: int = 256, repeats: int = 5, decoder: FastDecoder | None = None) -> dict[str, Any]:
+                prompt_tokens: int = 256, repeats: int = 5, source: Path | None = None,
+                decoder: FastDecoder | None = None) -> dict[str, Any]:
     """Prefill and decode tokens/s of minillm and transformers on the same weights, device and
     dtype, measured in one run; plus the device's bandwidth and the roofline fraction reached.
 
-    minillm decodes with the compiled ``FastDecoder`` (its compile time is reported apart, not
-    hidden); the eager decode loop is timed too, to show what compiling buys. Pass ``decoder``
-    (wrapping the default model) to benchmark one that is already built, and compiled.
+    ``source`` is a GGUF file or an HF checkpoint folder that both libraries read (default:
+    SmolLM2-135M-Instruct's GGUF). minillm decodes with the compiled ``FastDecoder`` (its
+    compile time is reported apart, not hidden); the eager decode loop is timed too, to show
+    what compiling buys. Pass ``decoder`` (wrapping the model ``source`` names) to benchmark
+    one that is already built, and compiled.
     """
     import torch
 
     from minillm.engine.fast import FastDecoder
     from minillm.model import load_model
-    from minillm.reference import hf_gguf_model
+    from minillm.reference import hf_causal_lm
     from minillm.tokenizer import Tokenizer
 
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     if decoder is None:
-        model, tok = load_model(device=device, dtype=torch_dtype)
+        model, tok = load_model(source, device=device, dtype=torch_dtype)
     else:
-        model, tok = decoder.model, Tokenizer.from_file(default_gguf_path())
+        model = decoder.model
+        tok = Tokenizer.from_file(source or default_gguf_path())  # a GGUF or a checkpoint folder
         if model.dtype != torch_dtype:
             raise ValueError(f"the decoder's model is {model.dtype}, the benchmark was asked for {dtype}")
     dev = model.device
-    reference = hf_gguf_model.__wrapped__()  # a private copy: casting it must not change the cached one
-    reference = reference.to(device=dev, dtype=torch_dtype)
+    reference = hf_causal_lm(source).to(device=dev, dtype=torch_dtype)
 
     def sync() -> None:
         if dev.type == "cuda":
@@ -266,7 +269,8 @@ def bench_model(device: str | None = None, dtype: str = "float32", new_tokens: i
     fast = decoder or FastDecoder(model, max_len=len(short) + new_tokens)
     eager = FastDecoder(model, max_len=len(short) + new_tokens, compile=False)
     results: dict[str, Any] = {
-        "device": str(dev), "dtype": dtype, "threads": torch.get_num_threads(),
+        "model": str(source or default_gguf_path().name), "device": str(dev), "dtype": dtype,
+        "threads": torch.get_num_threads(),
         "prompt_tokens": len(prompt), "new_tokens": new_tokens, "compiled": fast.compiled,
     }
     start = time.perf_counter()
@@ -315,7 +319,7 @@ def bench_model(device: str | None = None, dtype: str = "float32", new_tokens: i
 
 
 def print_model_report(r: dict[str, Any]) -> None:
-    print(f"SmolLM2-135M-Instruct on {r['device']} ({r['dtype']}, {r['threads']} threads)")
+    print(f"{r['model']} on {r['device']} ({r['dtype']}, {r['threads']} threads)")
     print(f"{'':<48}{'minillm':>12}{'transformers':>14}   ratio")
     print(f"{'prefill, ' + str(r['prompt_tokens']) + ' tokens (tok/s)':<48}"
           f"{r['prefill_tok_s_minillm']:>12.1f}{r['prefill_tok_s_hf']:>14.1f}   {r['prefill_ratio']:.2f}x")

@@ -47,3 +47,15 @@ def hf_gguf_model(gguf_path: Path | None = None) -> Any:
     path = gguf_path or default_gguf_path()
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     return model.eval()
+
+
+def hf_causal_lm(source: Path | None = None) -> Any:
+    """A fresh (uncached) transformers model for a GGUF file or an HF checkpoint folder
+    (float32, CPU, eval mode); None means the default GGUF. Benchmarks cast their own copy."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if source is None or source.suffix == ".gguf":
+        return hf_gguf_model.__wrapped__(source)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    return AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32).eval()

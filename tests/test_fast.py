@@ -22,6 +22,7 @@ from minillm.model.llama import Transformer
 from minillm.sampling import SamplingParams
 
 from test_generate import NEW_TOKENS, prompt_ids, transformers_greedy  # noqa: F401  (fixtures)
+from test_model_units import _tiny_hf_checkpoint, tiny_tokenizer  # noqa: F401  (a fixture)
 
 TINY = ModelConfig(vocab_size=64, hidden_size=16, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=32,
                    max_position_embeddings=512)
@@ -157,6 +158,29 @@ def test_stream_sampling_is_reproducible_with_a_seed():
     first = list(fast.stream([1, 2], params))
     assert first == list(fast.stream([1, 2], params))
     assert first != list(fast.stream([1, 2], SamplingParams(max_new_tokens=30, temperature=1.0, seed=8)))
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])  # qwen2: q/k/v biases in the compiled Linear
+def test_compiled_decoder_matches_transformers_on_tiny_checkpoints(tmp_path, tiny_tokenizer, model_type):  # noqa: F811
+    from minillm import load_model
+    from minillm.reference import hf_causal_lm
+
+    folder = _tiny_hf_checkpoint(tmp_path, tiny_tokenizer, model_type, tie_word_embeddings=False)
+    model, tok = load_model(folder, device="cpu")
+    ids = tok.encode("To be, or not to be")
+    x = torch.tensor([ids])
+    expected = hf_causal_lm(folder).generate(x, attention_mask=torch.ones_like(x), max_new_tokens=40,
+                                             min_new_tokens=40, do_sample=False, pad_token_id=0)
+    assert FastDecoder(model, max_len=128, window=16).greedy(ids, 40) == expected[0, len(ids):].tolist()
+
+
+def test_bench_model_reads_a_checkpoint_folder_with_transformers(tmp_path, tiny_tokenizer):  # noqa: F811
+    from minillm.bench import bench_model
+
+    folder = _tiny_hf_checkpoint(tmp_path, tiny_tokenizer, "llama")
+    r = bench_model("cpu", "float32", new_tokens=8, prompt_tokens=16, repeats=1, source=folder)
+    assert r["model"] == str(folder) and r["compiled"] and r["same_tokens_as_eager"]
+    assert min(r["decode_tok_s_minillm"], r["decode_tok_s_hf"], r["prefill_tok_s_hf"]) > 0
 
 
 # --------------------------------------------------------------------------- FastDecoder, real model

@@ -11,7 +11,7 @@ class Linear(torch.nn.Linear):
 
     Decoding one token multiplies one row vector by every weight matrix: a matrix-vector
     product (GEMV), whose cost is reading the weights from memory once. MKL's one-row product
-    runs on one core and streams ~11 GB/s on the course machine, a third of what the memory
+    runs on one core and streams ~12 GB/s on the course machine, a third of what the memory
     delivers. Written as ``(weight * x).sum(-1)``, the same product becomes a reduction that
     ``torch.compile`` turns into one vectorized pass over the weights on every core, without
     ever materializing ``weight * x``. Run eagerly, that form *would* materialize it, so the
