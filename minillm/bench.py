@@ -205,7 +205,12 @@ BANDWIDTH_BYTES = 512 * 2**20
 
 
 def bandwidth_reader(device: torch.device, nbytes: int = BANDWIDTH_BYTES) -> Callable[[], None]:
-    """A function that reads ``nbytes`` once, by summing a buffer that size (a STREAM-like read)."""
+    """A function that reads ``nbytes`` once, by summing a buffer that size (a STREAM-like read).
+
+    Its best time gives the bandwidth the roofline divides by: a measured proxy, not the
+    datasheet, so a decode step streaming its weights at the machine's best can read slightly
+    faster than this one ``sum`` (a roofline fraction just above 100%).
+    """
     import torch
 
     buffer = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
@@ -216,15 +221,6 @@ def bandwidth_reader(device: torch.device, nbytes: int = BANDWIDTH_BYTES) -> Cal
             torch.cuda.synchronize()
 
     return read
-
-
-def measure_bandwidth(device: torch.device, nbytes: int = BANDWIDTH_BYTES, repeats: int = 5) -> float:
-    """Achievable read bandwidth in bytes/s: the best time of ``bandwidth_reader``'s read.
-
-    It is a measured proxy, not the datasheet: a decode step streaming its weights at the
-    machine's best can read slightly faster than this one ``sum`` (a fraction just above 100%).
-    """
-    return nbytes / best_time(bandwidth_reader(device, nbytes), repeats)
 
 
 def interleaved_best(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
@@ -363,19 +359,20 @@ def bench_cpu_settings(new_tokens: int = 64, repeats: int = 3) -> dict[str, Any]
     from minillm.engine.fast import FastDecoder
     from minillm.model import load_model
 
-    prompt = load_model(device="cpu")[1].encode("The capital of France is")
     threads_before = torch.get_num_threads()
     rows = []
-    reference_tokens: list[int] | None = None
+    reference_tokens: list[int] | None = None  # float32's, the first setting measured
     try:
         for dtype in (torch.float32, torch.bfloat16):
-            model, _ = load_model(device="cpu", dtype=dtype)
+            model, tok = load_model(device="cpu", dtype=dtype)
+            prompt = tok.encode("The capital of France is")
             for threads in range(1, (os.cpu_count() or 1) + 1):
                 torch.set_num_threads(threads)
                 torch._dynamo.reset()  # recompile for this thread count
                 decoder = FastDecoder(model, max_len=len(prompt) + new_tokens)
                 tokens = decoder.greedy(prompt, new_tokens)  # compiles
-                reference_tokens = reference_tokens or tokens
+                if reference_tokens is None:
+                    reference_tokens = tokens
                 seconds = best_time(lambda: decoder.greedy(prompt, new_tokens), repeats)
                 rows.append({"dtype": str(dtype).removeprefix("torch."), "threads": threads,
                              "decode_tok_s": new_tokens / seconds, "same_tokens_as_float32": tokens == reference_tokens})

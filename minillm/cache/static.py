@@ -14,8 +14,9 @@ that grow by one every token — a new shape each step. Here instead:
   step never reads much more of the cache than it needs (reading all ``max_len`` slots
   every step would cost as much memory traffic as the weights, for long contexts).
 
-The host always knows how many tokens are cached (it counts the steps), so nothing here ever
-reads a value back from the device.
+The host always knows how many tokens are cached (it counts the steps), so a decode step
+never reads a value back from the device (only ``past_length``, which the checked prefill
+asks for, does).
 """
 
 from __future__ import annotations
