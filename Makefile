@@ -37,7 +37,7 @@ lab: setup
 
 bench: setup
 	$(PYTHON) -m minillm bench model
-	$(PYTHON) -m minillm bench cpu  # compiles each thread count x dtype afresh: the slowest (~15 min on 2 cores)
+	$(PYTHON) -m minillm bench cpu  # compiles each thread count x dtype afresh: the slowest (~5 min on 2 cores)
 	$(PYTHON) -m minillm bench tokenizer
 	$(PYTHON) -m minillm bench cache
 	$(PYTHON) -m minillm bench batching

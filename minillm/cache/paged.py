@@ -35,7 +35,7 @@ class BlockAllocator:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
-        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out the lowest id first
+        self._free = list(range(num_blocks - 1, -1, -1))  # a stack: pop() gives 0, 1, 2, ... at first
 
     @property
     def num_free(self) -> int:

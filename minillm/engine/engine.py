@@ -2,8 +2,9 @@
 
 Every step the scheduler does three things:
 
-1. **admit** waiting requests while there is room in the batch and in the block pool; each is
-   prefilled alone (one forward over its prompt) and samples its first token;
+1. **admit** waiting requests while there is room in the batch and in the block pool; the
+   prompts admitted together are prefilled in one forward, packed end to end (a block-diagonal
+   causal mask keeps them apart), and each samples its first token;
 2. **decode** one token for every running request in a single batched forward: the rows have
    different lengths, and the paged cache lets each read its own keys through its block table;
 3. **retire** finished requests at once, handing their blocks back to the pool, so a waiting
