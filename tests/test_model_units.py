@@ -24,45 +24,27 @@ from minillm.model.rope import RotaryEmbedding, apply_rope, apply_rope_interleav
 @given(
     batch=st.integers(1, 3),
     n_kv_heads=st.integers(1, 3),
-    n_groups=st.integers(1, 3),
-    q_len=st.integers(1, 9),
-    extra_k=st.integers(0, 6),
-    seed=st.integers(0, 2**16),
-)
-def test_sdpa_path_equals_explicit_path(batch, n_kv_heads, n_groups, q_len, extra_k, seed):
-    g = torch.Generator().manual_seed(seed)
-    k_len = q_len + extra_k
-    q = torch.randn(batch, n_kv_heads * n_groups, q_len, 16, generator=g)
-    k = repeat_kv(torch.randn(batch, n_kv_heads, k_len, 16, generator=g), n_groups)
-    v = repeat_kv(torch.randn(batch, n_kv_heads, k_len, 16, generator=g), n_groups)
-    padding = torch.ones(batch, k_len, dtype=torch.long)
-    padding[0, : min(2, k_len - 1)] = 0  # left padding in the first row
-    mask = build_mask(padding, q_len, k_len, q.device)
-    torch.testing.assert_close(attention_sdpa(q, k, v, mask), attention_explicit(q, k, v, mask), atol=1e-5, rtol=1e-5)
-
-
-@settings(max_examples=25, deadline=None)
-@given(
-    batch=st.integers(1, 3),
-    n_kv_heads=st.integers(1, 3),
-    n_groups=st.integers(2, 4),
+    n_groups=st.integers(1, 4),
     q_len=st.integers(1, 9),
     extra_k=st.integers(0, 70),
     head_dim=st.sampled_from([8, 16, 64]),
     seed=st.integers(0, 2**16),
 )
-def test_sdpa_shares_kv_heads_bit_for_bit_like_repeat_kv(batch, n_kv_heads, n_groups, q_len, extra_k, head_dim, seed):
-    """attention_sdpa takes the un-repeated K/V heads (enable_gqa): the very same numbers as
-    handing it K/V copied n_groups times by repeat_kv."""
+def test_sdpa_path_equals_explicit_path(batch, n_kv_heads, n_groups, q_len, extra_k, head_dim, seed):
+    """The fused kernel computes the written-out math; and given the un-repeated K/V heads
+    (enable_gqa) it returns the very same numbers, bit for bit, as given repeat_kv's copies."""
     g = torch.Generator().manual_seed(seed)
     k_len = q_len + extra_k
     q = torch.randn(batch, n_kv_heads * n_groups, q_len, head_dim, generator=g)
-    k = torch.randn(batch, n_kv_heads, k_len, head_dim, generator=g)
-    v = torch.randn(batch, n_kv_heads, k_len, head_dim, generator=g)
-    mask = build_mask(None, q_len, k_len, q.device)
-    shared = attention_sdpa(q, k, v, mask)
-    copied = attention_sdpa(q, repeat_kv(k, n_groups), repeat_kv(v, n_groups), mask)
-    assert torch.equal(shared, copied)
+    k_shared = torch.randn(batch, n_kv_heads, k_len, head_dim, generator=g)
+    v_shared = torch.randn(batch, n_kv_heads, k_len, head_dim, generator=g)
+    k, v = repeat_kv(k_shared, n_groups), repeat_kv(v_shared, n_groups)
+    padding = torch.ones(batch, k_len, dtype=torch.long)
+    padding[0, : min(2, k_len - 1)] = 0  # left padding in the first row
+    mask = build_mask(padding, q_len, k_len, q.device)
+    out = attention_sdpa(q, k, v, mask)
+    torch.testing.assert_close(out, attention_explicit(q, k, v, mask), atol=1e-5, rtol=1e-5)
+    assert torch.equal(attention_sdpa(q, k_shared, v_shared, mask), out)
 
 
 def test_explicit_attention_matches_the_formula_by_hand():
