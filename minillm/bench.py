@@ -355,9 +355,9 @@ def bench_cpu_settings(new_tokens: int = 128, repeats: int = 5) -> dict[str, Any
 
     The decode is timed as ``bench model`` times it (the same prompt and length), so the two
     reports agree. Compiled CPU code fixes its thread count when it is generated, so each
-    setting is compiled afresh, then run once untimed: the first runs after a compile are
-    slower (measured: ~55 vs ~72 tok/s), and timing them would rank the settings by warm-up.
-    bfloat16 halves the bytes per step but rounds the weights: its greedy tokens are compared
+    setting is compiled afresh, then run once untimed so that the timing starts warm. On the
+    shared course machine one setting's decode still flips between ~51 and ~72 tok/s from run
+    to run (measured in runs of ten), so the sweep ranks coarse differences only. bfloat16 halves the bytes per step but rounds the weights: its greedy tokens are compared
     with float32's.
     """
     import os
