@@ -11,9 +11,13 @@ Blocks are reference-counted, which makes sharing cheap: ``fork`` gives a child 
 parent's blocks (a shared prompt for several completions, or beam search). When a sequence is
 about to write into a block someone else also holds, it first copies it (copy-on-write).
 
-Attention reads K/V *through* the block table: the blocks of each sequence are gathered into
-a ``[batch, n_kv_heads, keys, head_dim]`` view and attended with a length mask — the same
-numbers, in the same order, as the contiguous cache.
+Three parts, kept apart as nano-vllm and vLLM keep them:
+
+* ``BlockManager`` — pure-Python bookkeeping (free list, ref counts, block tables, lengths,
+  what a step needs). No tensors: the scheduler *asks* it whether work fits.
+* ``PagedKVCache`` — the storage (one K and one V pool per layer) plus its manager.
+* ``PagedBatch`` — one forward's step metadata, built on the host: where each new token is
+  written, each row's block table and length. The model reads K/V *through* it in place.
 """
 
 from __future__ import annotations
@@ -24,7 +28,10 @@ from collections.abc import Sequence
 import torch
 
 from minillm.cache.base import OutOfBlocksError
+from minillm.model.attention import paged_decode_attention, paged_prefill_attention
 from minillm.model.config import ModelConfig
+
+TABLE_WIDTH_STEP = 4  # block tables are padded to a multiple of this many blocks (fewer shapes)
 
 
 class BlockAllocator:
@@ -63,25 +70,20 @@ class BlockAllocator:
             self._free.append(block)
 
 
-class PagedKVCache:
-    """A block pool for all layers plus the block table and length of every sequence."""
+class BlockManager:
+    """Block tables and lengths of every sequence, on top of a ``BlockAllocator``.
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        num_blocks: int,
-        block_size: int = 16,
-        device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float32,
-    ) -> None:
+    Pure bookkeeping: it decides which blocks a step writes to and which shared blocks must be
+    copied first, and returns those copies as ``(source, destination)`` pairs for the storage
+    to carry out. Every method that can run out of blocks checks first and changes nothing
+    when it does.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-        self.config = config
         self.block_size = block_size
         self.allocator = BlockAllocator(num_blocks)
-        shape = (num_blocks, config.n_kv_heads, block_size, config.head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
         self.block_tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
 
@@ -93,14 +95,14 @@ class PagedKVCache:
         self.lengths[seq_id] = 0
 
     def free_sequence(self, seq_id: int) -> None:
-        """Release a finished sequence's blocks at once, so waiting work can use them."""
-        for block in self._table(seq_id):
+        """Release a sequence's blocks at once, so waiting work can use them."""
+        for block in self.table(seq_id):
             self.allocator.free(block)
         del self.block_tables[seq_id], self.lengths[seq_id]
 
     def fork(self, parent: int, child: int) -> None:
         """The child starts as a copy of the parent, sharing every block (no data is copied)."""
-        table = self._table(parent)
+        table = self.table(parent)
         if child in self.block_tables:
             raise ValueError(f"sequence {child} is already in the cache")
         for block in table:
@@ -108,63 +110,161 @@ class PagedKVCache:
         self.block_tables[child] = list(table)
         self.lengths[child] = self.lengths[parent]
 
-    def _table(self, seq_id: int) -> list[int]:
+    def table(self, seq_id: int) -> list[int]:
         if seq_id not in self.block_tables:
             raise KeyError(f"sequence {seq_id} is not in the cache")
         return self.block_tables[seq_id]
 
-    # ------------------------------------------------------------------ a step
+    # ------------------------------------------------------------------ questions the scheduler asks
     def blocks_needed(self, seq_id: int, n_new: int) -> int:
         """Blocks to allocate before ``seq_id`` can store ``n_new`` more tokens."""
-        length, table = self.lengths[seq_id], self._table(seq_id)
+        length, table = self.lengths[seq_id], self.table(seq_id)
         fresh = math.ceil((length + n_new) / self.block_size) - len(table)
         shared_tail = length % self.block_size != 0 and self.allocator.ref_counts[table[-1]] > 1
         return max(fresh, 0) + int(shared_tail and n_new > 0)
 
-    def prepare(self, seq_ids: Sequence[int], q_len: int) -> PagedBatch:
-        """Reserve room for ``q_len`` new tokens in each sequence; return the batch view the
-        model runs on. Raises OutOfBlocksError *before* changing anything if the pool is short."""
-        needed = sum(self.blocks_needed(s, q_len) for s in seq_ids)
+    def can_reserve(self, seq_ids: Sequence[int], n_new: Sequence[int]) -> bool:
+        return sum(self.blocks_needed(s, n) for s, n in zip(seq_ids, n_new)) <= self.allocator.num_free
+
+    def blocks_for_tokens(self, n_tokens: int) -> int:
+        return math.ceil(n_tokens / self.block_size)
+
+    # ------------------------------------------------------------------ a step
+    def reserve(self, seq_ids: Sequence[int], n_new: Sequence[int]) -> list[tuple[int, int]]:
+        """Make room for ``n_new[i]`` more tokens in ``seq_ids[i]``; return the block copies
+        (copy-on-write) the storage must do before the step writes. Raises
+        OutOfBlocksError *before* changing anything if the pool is short."""
+        needed = sum(self.blocks_needed(s, n) for s, n in zip(seq_ids, n_new))
         if needed > self.allocator.num_free:
             raise OutOfBlocksError(
                 f"the KV cache needs {needed} more blocks for this step but only "
                 f"{self.allocator.num_free} of {self.allocator.num_blocks} are free "
                 f"(block_size {self.block_size}); free finished sequences or make the pool larger"
             )
-        for seq_id in seq_ids:
-            self._copy_on_write(seq_id)
-            table = self.block_tables[seq_id]
-            while len(table) * self.block_size < self.lengths[seq_id] + q_len:
+        copies = []
+        for seq_id, n in zip(seq_ids, n_new):
+            table, length = self.block_tables[seq_id], self.lengths[seq_id]
+            if n > 0 and length % self.block_size != 0 and self.allocator.ref_counts[table[-1]] > 1:
+                old, new = table[-1], self.allocator.allocate()
+                self.allocator.free(old)
+                table[-1] = new
+                copies.append((old, new))
+            while len(table) * self.block_size < length + n:
                 table.append(self.allocator.allocate())
-        return PagedBatch(self, list(seq_ids), q_len)
+        return copies
 
-    def prepare_prefill(self, seq_ids: Sequence[int], lengths: Sequence[int]) -> PackedPrefill:
-        """Reserve blocks for new (empty) sequences' prompts and pack them for one forward."""
-        for seq_id in seq_ids:
-            if self.lengths[seq_id] != 0:
-                raise ValueError(f"sequence {seq_id} is not new: a packed prefill starts from an empty sequence")
-        needed = sum(math.ceil(n / self.block_size) for n in lengths)
-        if needed > self.allocator.num_free:
-            raise OutOfBlocksError(
-                f"the prompts need {needed} blocks but only {self.allocator.num_free} of "
-                f"{self.allocator.num_blocks} are free (block_size {self.block_size})"
-            )
-        for seq_id, n in zip(seq_ids, lengths):
-            table = self.block_tables[seq_id]
-            while len(table) * self.block_size < n:
-                table.append(self.allocator.allocate())
-        return PackedPrefill(self, list(seq_ids), list(lengths))
+    def advance(self, seq_ids: Sequence[int], n_new: Sequence[int]) -> None:
+        for seq_id, n in zip(seq_ids, n_new):
+            self.lengths[seq_id] += n
 
-    def _copy_on_write(self, seq_id: int) -> None:
-        """Give ``seq_id`` its own copy of a shared, partly filled last block before writing to it."""
-        table, length = self.block_tables[seq_id], self.lengths[seq_id]
-        if length % self.block_size == 0 or self.allocator.ref_counts[table[-1]] == 1:
-            return
-        old, new = table[-1], self.allocator.allocate()
-        for pool in self.k + self.v:
-            pool[new] = pool[old]
-        self.allocator.free(old)
-        table[-1] = new
+
+class PagedKVCache:
+    """A block pool for all layers (the storage) plus the ``BlockManager`` that owns its ids.
+
+    Each pool holds one block more than the manager hands out: a *scratch* block (id
+    ``num_blocks``) that padded rows and padded block-table entries point at, so a step padded
+    to a fixed shape (a CUDA graph bucket) never writes into a block someone owns.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int = 16,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.config = config
+        self.manager = BlockManager(num_blocks, block_size)
+        self.block_size = block_size
+        self.scratch_block = num_blocks
+        shape = (num_blocks + 1, config.n_kv_heads, block_size, config.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
+
+    # The manager's state, under the names notebook 08 teaches.
+    @property
+    def allocator(self) -> BlockAllocator:
+        return self.manager.allocator
+
+    @property
+    def block_tables(self) -> dict[int, list[int]]:
+        return self.manager.block_tables
+
+    @property
+    def lengths(self) -> dict[int, int]:
+        return self.manager.lengths
+
+    @property
+    def device(self) -> torch.device:
+        return self.k[0].device
+
+    def add_sequence(self, seq_id: int) -> None:
+        self.manager.add_sequence(seq_id)
+
+    def free_sequence(self, seq_id: int) -> None:
+        self.manager.free_sequence(seq_id)
+
+    def fork(self, parent: int, child: int) -> None:
+        self.manager.fork(parent, child)
+
+    def blocks_needed(self, seq_id: int, n_new: int) -> int:
+        return self.manager.blocks_needed(seq_id, n_new)
+
+    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Carry out copy-on-write: block ``dst`` becomes a copy of ``src`` in every layer."""
+        for src, dst in copies:
+            for pool in self.k + self.v:
+                pool[dst] = pool[src]
+
+    # ------------------------------------------------------------------ a step
+    def prepare(self, seq_ids: Sequence[int], q_len: int | Sequence[int]) -> PagedBatch:
+        """Reserve room for ``q_len`` new tokens in each sequence (one count for all, or one per
+        sequence); return the step the model runs on. Raises OutOfBlocksError *before*
+        changing anything if the pool is short."""
+        q_lens = [q_len] * len(seq_ids) if isinstance(q_len, int) else list(q_len)
+        self.copy_blocks(self.manager.reserve(seq_ids, q_lens))
+        return self.batch(seq_ids, q_lens)
+
+    def batch(self, seq_ids: Sequence[int], q_lens: Sequence[int], pad_rows_to: int | None = None) -> PagedBatch:
+        """The step metadata for blocks already reserved: built on the host, in one go.
+
+        ``pad_rows_to`` adds dummy decode rows (position 0, written to the scratch block) up
+        to a fixed row count, for a step whose shapes must not change (a CUDA graph)."""
+        seq_ids, q_lens = list(seq_ids), list(q_lens)
+        bs = self.block_size
+        starts = [self.lengths[s] for s in seq_ids]
+        tables = [self.block_tables[s] for s in seq_ids]
+        n_pad = 0 if pad_rows_to is None else pad_rows_to - len(seq_ids)
+        width = max([len(t) for t in tables] + [1])
+        width = -(-width // TABLE_WIDTH_STEP) * TABLE_WIDTH_STEP
+        positions, write_blocks, write_offsets = [], [], []
+        for start, n, table in zip(starts, q_lens, tables):
+            for p in range(start, start + n):
+                positions.append(p)
+                write_blocks.append(table[p // bs])
+                write_offsets.append(p % bs)
+        padded_tables = [t + [self.scratch_block] * (width - len(t)) for t in tables]
+        padded_tables += [[self.scratch_block] * width] * n_pad
+        positions += [0] * n_pad
+        write_blocks += [self.scratch_block] * n_pad
+        write_offsets += [0] * n_pad
+        context_lens = [s + n for s, n in zip(starts, q_lens)] + [1] * n_pad
+        ends = torch.tensor(q_lens + [1] * n_pad).cumsum(0)
+        device = self.device
+        return PagedBatch(
+            self.k,
+            self.v,
+            positions=torch.tensor(positions, device=device),
+            write_blocks=torch.tensor(write_blocks, device=device),
+            write_offsets=torch.tensor(write_offsets, device=device),
+            block_tables=torch.tensor(padded_tables, device=device),
+            context_lens=torch.tensor(context_lens, device=device),
+            logits_index=(ends - 1).to(device),
+            q_lens=None if all(n == 1 for n in q_lens) else q_lens + [1] * n_pad,
+            manager=self.manager,
+            seq_ids=seq_ids,
+        )
 
     # ------------------------------------------------------------------ accounting
     @property
@@ -180,104 +280,106 @@ class PagedKVCache:
 
 
 class PagedBatch:
-    """One forward's view of the paged cache: which sequences, their slots and block tables."""
+    """One forward's step metadata on the paged cache — the model's ``KVCache`` for that step.
 
-    def __init__(self, cache: PagedKVCache, seq_ids: list[int], q_len: int) -> None:
-        self.cache = cache
-        self.seq_ids = seq_ids
-        self.q_len = q_len
-        device = cache.k[0].device
-        bs = cache.block_size
-        self.starts = torch.tensor([cache.lengths[s] for s in seq_ids], device=device)
-        positions = self.starts[:, None] + torch.arange(q_len, device=device)  # [batch, q_len]
-        tables = [cache.block_tables[s] for s in seq_ids]
-        width = max(len(t) for t in tables)
-        self.block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=device)
-        # where each new token goes: (block, offset) for [batch * q_len] tokens
-        self.slot_blocks = torch.gather(self.block_table, 1, positions // bs).flatten()
-        self.slot_offsets = (positions % bs).flatten()
-        self._positions = positions
-        self.n_keys = int(self.starts.max()) + q_len
+    Everything is a flat tensor built on the host by whoever planned the step (the engine's
+    scheduler, beam search, notebook 08's loop), so running it needs no read-back:
 
-    @property
-    def past_length(self) -> int:
-        return int(self.starts.max())
+    * ``positions`` [tokens]: each new token's position in its sequence;
+    * ``write_blocks``, ``write_offsets`` [tokens]: where its key and value go;
+    * ``block_tables`` [rows, width]: each row's blocks (padded with the scratch block);
+    * ``context_lens`` [rows]: how many keys each row attends to after this step;
+    * ``logits_index`` [rows]: which token of each row needs logits (its last one);
+    * ``q_lens``: tokens per row, on the host, or None when every row has one (a decode step).
 
-    def positions(self, q_len: int) -> torch.Tensor:
-        return self._positions
-
-    def mask(self, attention_mask: torch.Tensor | None, q_len: int) -> torch.Tensor:
-        """Query t of row b (at position start_b + t) sees keys 0..start_b + t of its own sequence."""
-        if attention_mask is not None:
-            raise ValueError("a paged batch holds unpadded sequences: pass no attention_mask")
-        keys = torch.arange(self.n_keys, device=self._positions.device)
-        return (keys[None, None, :] <= self._positions[:, :, None])[:, None]
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        batch, n_kv_heads, q_len, head_dim = k.shape
-        k_pool, v_pool = self.cache.k[layer], self.cache.v[layer]
-        k_pool[self.slot_blocks, :, self.slot_offsets] = k.transpose(1, 2).reshape(-1, n_kv_heads, head_dim)
-        v_pool[self.slot_blocks, :, self.slot_offsets] = v.transpose(1, 2).reshape(-1, n_kv_heads, head_dim)
-        return self._gather(k_pool), self._gather(v_pool)
-
-    def _gather(self, pool: torch.Tensor) -> torch.Tensor:
-        """The sequences' blocks in table order -> [batch, n_kv_heads, n_keys, head_dim]."""
-        blocks = pool[self.block_table]  # [batch, width, n_kv_heads, block_size, head_dim]
-        batch, width, n_kv_heads, block_size, head_dim = blocks.shape
-        flat = blocks.transpose(1, 2).reshape(batch, n_kv_heads, width * block_size, head_dim)
-        return flat[:, :, : self.n_keys]
-
-    def advance(self, q_len: int) -> None:
-        for seq_id in self.seq_ids:
-            self.cache.lengths[seq_id] += q_len
-
-
-class PackedPrefill:
-    """Several *new* sequences' prompts packed into one row, so one forward fills all their blocks.
-
-    Prefilling requests one at a time runs the weights through memory once per request; packing
-    their prompts end to end (``[1, total_tokens]``) runs them once for all. A block-diagonal
-    causal mask keeps each prompt's tokens from seeing the others', and each token's key and
-    value go to its own sequence's blocks.
+    The tokens of a row are consecutive, so the model may be fed ``[rows, q_len]`` (equal
+    lengths) or ``[1, tokens]`` (packed, any lengths) alike.
     """
 
-    def __init__(self, cache: PagedKVCache, seq_ids: list[int], lengths: list[int]) -> None:
-        self.cache = cache
-        self.seq_ids = seq_ids
-        self.lengths = lengths
-        device = cache.k[0].device
-        bs = cache.block_size
-        positions = torch.cat([torch.arange(n, device=device) for n in lengths])
-        owner = torch.cat([torch.full((n,), i, device=device) for i, n in enumerate(lengths)])
-        tables = [cache.block_tables[s] for s in seq_ids]
-        width = max(len(t) for t in tables)
-        block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=device)
-        self.slot_blocks = block_table[owner, positions // bs]
-        self.slot_offsets = positions % bs
-        self._positions = positions[None]
-        same_sequence = owner[:, None] == owner[None, :]
-        causal = positions[None, :] <= positions[:, None]
-        self._mask = (same_sequence & causal)[None, None]
-        self.last_index = torch.tensor(lengths, device=device).cumsum(0) - 1  # each prompt's last token
+    reads_in_place = True  # the model calls attend() instead of update() + its own attention
+
+    def __init__(
+        self,
+        k_pools: list[torch.Tensor],
+        v_pools: list[torch.Tensor],
+        positions: torch.Tensor,
+        write_blocks: torch.Tensor,
+        write_offsets: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        logits_index: torch.Tensor | None = None,
+        q_lens: list[int] | None = None,
+        manager: BlockManager | None = None,
+        seq_ids: list[int] | None = None,
+    ) -> None:
+        self.k_pools, self.v_pools = k_pools, v_pools
+        self.positions_flat = positions
+        self.write_blocks, self.write_offsets = write_blocks, write_offsets
+        self.block_tables, self.context_lens = block_tables, context_lens
+        self.logits_index = logits_index
+        self.q_lens = q_lens
+        self.manager, self.seq_ids = manager, seq_ids
 
     @property
+    def is_decode(self) -> bool:
+        return self.q_lens is None
+
+    @property
+    def block_size(self) -> int:
+        return self.k_pools[0].shape[2]
+
+    # ------------------------------------------------------------------ the KVCache protocol
+    @property
     def past_length(self) -> int:
-        return 0
+        return 0  # unused: a paged step takes no attention_mask, and its positions are its own
 
     def positions(self, q_len: int) -> torch.Tensor:
-        return self._positions
+        return self.positions_flat.view(-1, q_len)
 
-    def mask(self, attention_mask: torch.Tensor | None, q_len: int) -> torch.Tensor:
+    def mask(self, attention_mask: torch.Tensor | None, q_len: int) -> torch.Tensor | None:
+        """Only for reading the step by hand (notebook 08, tests): [rows, 1, q_len, keys], query t
+        of row r (at position start_r + t) sees keys 0..start_r + t. The model never builds it."""
         if attention_mask is not None:
-            raise ValueError("a packed prefill holds unpadded sequences: pass no attention_mask")
-        return self._mask
+            raise ValueError("a paged batch holds unpadded sequences: pass no attention_mask")
+        positions = self.positions(q_len)
+        keys = torch.arange(int(self.context_lens.max()), device=positions.device)
+        return (keys[None, None, :] <= positions[:, :, None])[:, None]
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the new keys and values [batch, n_kv_heads, seq, head_dim] in their slots."""
+        n_kv_heads, head_dim = k.shape[1], k.shape[3]
+        self.k_pools[layer][self.write_blocks, :, self.write_offsets] = k.transpose(1, 2).reshape(-1, n_kv_heads, head_dim)
+        self.v_pools[layer][self.write_blocks, :, self.write_offsets] = v.transpose(1, 2).reshape(-1, n_kv_heads, head_dim)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        _, n_kv_heads, total, head_dim = k.shape
-        self.cache.k[layer][self.slot_blocks, :, self.slot_offsets] = k[0].transpose(0, 1)
-        self.cache.v[layer][self.slot_blocks, :, self.slot_offsets] = v[0].transpose(0, 1)
-        return k, v  # fresh sequences: the prompts' own keys are all there is to attend to
+        """Write, then gather every row's keys and values into a dense [rows, n_kv_heads, keys,
+        head_dim] copy: the simple way to read a paged cache (notebook 08), not the engine's."""
+        self.write(layer, k, v)
+        return self.gather(self.k_pools[layer]), self.gather(self.v_pools[layer])
+
+    def gather(self, pool: torch.Tensor) -> torch.Tensor:
+        blocks = pool[self.block_tables]  # [rows, width, n_kv_heads, block_size, head_dim]
+        rows, width, n_kv_heads, block_size, head_dim = blocks.shape
+        flat = blocks.transpose(1, 2).reshape(rows, n_kv_heads, width * block_size, head_dim)
+        return flat[:, :, : int(self.context_lens.max())]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store the new ``k``, ``v`` and return attention [batch, n_heads, seq, head_dim] of the
+        queries ``q`` over each row's keys, read from the pool through the block table."""
+        batch, n_heads, seq, head_dim = q.shape
+        self.write(layer, k, v)
+        k_pool, v_pool = self.k_pools[layer], self.v_pools[layer]
+        if self.is_decode:
+            out = paged_decode_attention(q.transpose(1, 2).reshape(-1, n_heads, head_dim), k_pool, v_pool,
+                                         self.block_tables, self.context_lens)
+        else:
+            assert self.q_lens is not None
+            out = paged_prefill_attention(q.transpose(1, 2).reshape(-1, n_heads, head_dim), k, v, k_pool, v_pool,
+                                          self.block_tables, self.q_lens, self.context_lens.tolist())
+        return out.view(batch, seq, n_heads, head_dim).transpose(1, 2)
 
     def advance(self, q_len: int) -> None:
-        for seq_id, n in zip(self.seq_ids, self.lengths):
-            self.cache.lengths[seq_id] += n
+        """The step's tokens are now stored: the manager's lengths move on (when it has one)."""
+        if self.manager is not None and self.seq_ids is not None:
+            n_new = self.q_lens if self.q_lens is not None else [1] * len(self.seq_ids)
+            self.manager.advance(self.seq_ids, n_new[: len(self.seq_ids)])

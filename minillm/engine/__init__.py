@@ -1,8 +1,8 @@
-"""The engine: requests, continuous batching on the paged KV cache, beam search, stop rules;
-and the compiled batch-1 fast path."""
+"""The engine: requests, continuous batching on the paged KV cache, beam search, stop rules,
+all run by one compiled decode step (``ModelRunner``)."""
 
 from minillm.engine.engine import Engine
-from minillm.engine.fast import FastDecoder
 from minillm.engine.request import Completion, StopStringFilter
+from minillm.engine.runner import ModelRunner
 
-__all__ = ["Completion", "Engine", "FastDecoder", "StopStringFilter"]
+__all__ = ["Completion", "Engine", "ModelRunner", "StopStringFilter"]

@@ -2,20 +2,31 @@
 
 Every step the scheduler does three things:
 
-1. **admit** waiting requests while there is room in the batch and in the block pool; the
-   prompts admitted together are prefilled in one forward, packed end to end (a block-diagonal
-   causal mask keeps them apart), and each samples its first token;
-2. **decode** one token for every running request in a single batched forward: the rows have
-   different lengths, and the paged cache lets each read its own keys through its block table;
+1. **admit** waiting requests while there is room in the batch and in the block pool (it
+   *asks* the ``BlockManager``); the prompts admitted together are prefilled in one packed
+   forward, and each samples its first token;
+2. **decode** one token for every running row in a single batched, compiled step
+   (``ModelRunner.decode``): the rows have different lengths, and each reads its own keys
+   through its block table;
 3. **retire** finished requests at once, handing their blocks back to the pool, so a waiting
    request can join the running batch on the very next step.
 
 That last point is *continuous batching*: the batch is refilled token by token instead of
 waiting for its slowest member, which is why throughput scales with the number of requests.
+A request that finishes during its prefill (one new token, a stop string, EOS first) simply
+leaves room for the next admission.
 
-If a decode step finds the pool empty, the most recently admitted request is *preempted*:
+A request is a ``Request`` (one row) or a ``BeamSearch`` (``num_beams`` rows); both run in
+the same step, and all sampled rows of a step go through one ``sample_batch`` call.
+
+If a decode step finds the pool short, the most recently admitted request is *preempted*:
 its blocks are freed and it goes back to the front of the queue, to be prefilled again
 (prompt + tokens so far) when room returns. Its output is unchanged, only recomputed.
+
+Whatever ends a run early — a stream abandoned with ``break`` or ``close()``, an exception in
+the caller's loop, Ctrl-C in the middle of a step — every sequence the run holds is freed on
+the way out (``try/finally``), so the pool is back where it started and the engine keeps
+serving.
 """
 
 from __future__ import annotations
@@ -23,15 +34,19 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Iterator, Sequence
+from typing import Union
 
 import torch
 
-from minillm.cache import OutOfBlocksError, PagedBatch, PagedKVCache
-from minillm.engine.beam import beam_search
+from minillm.cache import OutOfBlocksError, PagedKVCache
+from minillm.engine.beam import BeamSearch
 from minillm.engine.request import Completion, Request
+from minillm.engine.runner import ModelRunner
 from minillm.model.llama import Transformer
-from minillm.sampling import SamplingParams, make_generator, next_token
+from minillm.sampling import SamplingParams, SamplingState, make_generator, sample_batch
 from minillm.tokenizer import Tokenizer
+
+Unit = Union[Request, BeamSearch]  # what the scheduler admits, runs and retires
 
 
 class Engine:
@@ -39,10 +54,11 @@ class Engine:
 
     Args:
         model, tokenizer: from ``minillm.load_model()``.
-        max_batch_size: most requests decoded together in one step.
-        kv_cache_tokens: size of the block pool, in tokens (default: 16 full batches of 1024).
+        max_batch_size: most rows (sequences, beams included) decoded together in one step.
+        kv_cache_tokens: size of the block pool, in tokens (default: 1024 per batch row).
         block_size: tokens per KV block.
         eos_ids: ids that end a completion (default: the tokenizer's EOS).
+        compile: compile the decode step (default: when this machine can).
     """
 
     def __init__(
@@ -54,18 +70,26 @@ class Engine:
         kv_cache_tokens: int | None = None,
         block_size: int = 16,
         eos_ids: Sequence[int] | None = None,
+        compile: bool | None = None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if kv_cache_tokens is not None and kv_cache_tokens < 1:
+            raise ValueError(f"kv_cache_tokens must be >= 1, got {kv_cache_tokens}")
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         tokens = kv_cache_tokens or max_batch_size * 1024
         self.cache = PagedKVCache(model.config, math.ceil(tokens / block_size), block_size, model.device, model.dtype)
+        self.runner = ModelRunner(model, self.cache, compile)
         default_eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
         self.eos_ids = frozenset(eos_ids if eos_ids is not None else default_eos)
         self._next_seq_id = 0
         self.preemptions = 0  # requests sent back to the queue because the pool ran out
+
+    @property
+    def manager(self):  # noqa: ANN201 - the BlockManager the scheduler asks
+        return self.cache.manager
 
     # ------------------------------------------------------------------ public API
     def generate(
@@ -75,35 +99,49 @@ class Engine:
         if isinstance(prompts, str):
             prompts = [prompts]
         per_prompt = self._params_per_prompt(prompts, params)
-        requests = [self._request(p, ps, i) for p, ps in zip(prompts, per_prompt) for i in range(ps.n)]
-        sampled = [r for r in requests if r.params.num_beams == 1]
-        for _ in self._run(sampled):
+        units: list[Unit] = []
+        for prompt, ps in zip(prompts, per_prompt):
+            if ps.num_beams > 1:
+                units.append(self._beam_search(prompt, ps))
+            else:
+                units.extend(self._request(prompt, ps, i) for i in range(ps.n))
+        for _ in self._run(units):
             pass
-        for request in requests:
-            if request.params.num_beams > 1:
-                self._beam(request)
-        return [r.completion() for r in requests]
+        completions = []
+        for prompt, unit in zip(self._unit_prompts(prompts, per_prompt), units):
+            if isinstance(unit, BeamSearch):
+                completions.extend(self._beam_completions(prompt, unit))
+            else:
+                completions.append(unit.completion())
+        return completions
 
     def stream(self, prompt: str, params: SamplingParams | None = None) -> Iterator[str]:
         """Yield the completion's text as it is generated (complete characters only)."""
         params = params or SamplingParams()
         if params.num_beams > 1 or params.n > 1:
             raise ValueError("stream() serves one sampled completion: use num_beams=1 and n=1")
-        request = self._request(prompt, params, 0)
-        for _, delta in self._run([request]):
-            if delta:
-                yield delta
+        return self._stream(self._request(prompt, params, 0))  # checked now, run as it is read
+
+    def _stream(self, request: Request) -> Iterator[str]:
+        run = self._run([request])
+        try:
+            for _, delta in run:
+                if delta:
+                    yield delta
+        finally:  # abandoned (break, close(), del) or failed: the run frees its blocks now
+            run.close()
 
     def chat(self, messages: Sequence[dict[str, str]], params: SamplingParams | None = None) -> Completion:
         """Answer a conversation: the chat template, then generation."""
-        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        assert isinstance(prompt, str)
-        return self.generate([prompt], params)[0]
+        return self.generate([self._chat_prompt(messages)], params)[0]
 
     def stream_chat(self, messages: Sequence[dict[str, str]], params: SamplingParams | None = None) -> Iterator[str]:
+        return self.stream(self._chat_prompt(messages), params)
+
+    def _chat_prompt(self, messages: Sequence[dict[str, str]]) -> str:
         prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         assert isinstance(prompt, str)
-        return self.stream(prompt, params)
+        return prompt
 
     # ------------------------------------------------------------------ requests
     def _params_per_prompt(
@@ -115,7 +153,11 @@ class Engine:
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         return list(params)
 
-    def _request(self, prompt: str, params: SamplingParams, index: int) -> Request:
+    @staticmethod
+    def _unit_prompts(prompts: Sequence[str], per_prompt: list[SamplingParams]) -> list[str]:
+        return [p for p, ps in zip(prompts, per_prompt) for _ in range(1 if ps.num_beams > 1 else ps.n)]
+
+    def _encode(self, prompt: str, params: SamplingParams) -> list[int]:
         if not isinstance(prompt, str):
             raise TypeError(f"prompts must be str, got {type(prompt).__name__}")
         prompt_ids = self.tokenizer.encode(prompt)
@@ -127,114 +169,191 @@ class Engine:
                 f"the prompt has {len(prompt_ids)} tokens; with max_new_tokens={params.max_new_tokens} "
                 f"it exceeds the context window of {context}"
             )
+        rows = params.num_beams
+        needed = rows * self.manager.blocks_for_tokens(len(prompt_ids) + params.max_new_tokens)
+        if needed > self.manager.allocator.num_blocks:
+            raise ValueError(
+                f"a {len(prompt_ids)}-token prompt with max_new_tokens={params.max_new_tokens}"
+                + (f" and {rows} beams" if rows > 1 else "")
+                + f" may need {needed} KV blocks; the pool has {self.manager.allocator.num_blocks} "
+                f"of {self.cache.block_size} tokens (raise kv_cache_tokens)"
+            )
+        return prompt_ids
+
+    def _request(self, prompt: str, params: SamplingParams, index: int) -> Request:
+        prompt_ids = self._encode(prompt, params)
         seed = None if params.seed is None else (params.seed + index) % 2**64  # completion i of n: its own stream
-        request = Request(
-            self._new_seq_id(), prompt, prompt_ids, params, self.tokenizer, self.eos_ids,
-            make_generator(seed, self.model.device),
-        )
+        generator = make_generator(seed, self.model.device)
+        sampling = SamplingState(params, prompt_ids, self.model.config.vocab_size, generator, self.model.device)
+        request = Request(self._new_seq_id(), prompt, prompt_ids, params, self.tokenizer, self.eos_ids, sampling)
         if params.max_new_tokens == 0:
             request.finish_reason = "length"
         return request
 
+    def _beam_search(self, prompt: str, params: SamplingParams) -> BeamSearch:
+        return BeamSearch(self._encode(prompt, params), params, self.eos_ids, self._new_seq_id)
+
+    def _beam_completions(self, prompt: str, search: BeamSearch) -> list[Completion]:
+        completions = []
+        for token_ids in search.best(search.params.n) or [[]]:
+            request = Request(-1, prompt, search.prompt_ids, search.params, self.tokenizer, self.eos_ids)
+            for token in token_ids:
+                request.append(token)
+                if request.finished:
+                    break
+            completions.append(request.completion())
+        return completions[: search.params.n]
+
     # ------------------------------------------------------------------ the scheduler loop
     @torch.inference_mode()
-    def _run(self, requests: list[Request]) -> Iterator[tuple[Request, str]]:
+    def _run(self, units: Sequence[Unit]) -> Iterator[tuple[Request, str]]:
         """Run requests to completion with continuous batching; yield (request, text delta)."""
-        waiting = deque(r for r in requests if not r.finished)
-        running: list[Request] = []
-        while waiting or running:
-            admitted: list[Request] = []
-            while (
-                waiting
-                and len(running) + len(admitted) < self.max_batch_size
-                and self._fits(waiting[0], admitted, len(running))
-            ):
-                admitted.append(waiting.popleft())
-            if admitted:
-                for request, delta in zip(admitted, self._prefill(admitted)):
-                    yield request, delta
-                    if request.finished:
-                        self.cache.free_sequence(request.seq_id)
-                    else:
-                        running.append(request)
-            if not running:
-                if waiting:
-                    raise OutOfBlocksError(
-                        f"a {len(waiting[0].all_ids)}-token request does not fit in the KV cache "
-                        f"({self.cache.allocator.num_blocks} blocks of {self.cache.block_size} tokens)"
-                    )
-                break
-            batch = self._prepare_or_preempt(running, waiting)
-            step_ids = torch.tensor([[r.output_ids[-1]] for r in running], device=self.model.device)
-            logits = self.model(step_ids, cache=batch, last_only=True)[:, -1]
-            still_running = []
-            for row, request in enumerate(running):
-                yield request, request.append(self._sample(request, logits[row : row + 1]))
-                if request.finished:
-                    self.cache.free_sequence(request.seq_id)
-                else:
-                    still_running.append(request)
-            running = still_running
+        waiting: deque[Unit] = deque(u for u in units if not _is_done(u))
+        running: list[Unit] = []
+        admitted: list[Unit] = []
+        try:
+            while waiting or running:
+                admitted = self._admit(waiting, running)
+                if admitted:
+                    yield from self._prefill(admitted)
+                    running += [u for u in admitted if not self._retire_if_done(u)]
+                if not running:
+                    if waiting and not admitted:
+                        head = waiting[0]
+                        raise OutOfBlocksError(
+                            f"a {_prefill_len(head)}-token request does not fit in the free KV cache "
+                            f"({self.manager.allocator.num_free} of {self.manager.allocator.num_blocks} blocks "
+                            f"of {self.cache.block_size} tokens free)"
+                        )
+                    continue
+                self._reserve_or_preempt(running, waiting)
+                yield from self._decode(running)
+                running = [u for u in running if not self._retire_if_done(u)]
+        finally:  # however the run ends, its sequences give their blocks back
+            for unit in running + admitted + list(waiting):
+                self._free(unit)
 
-    def _prepare_or_preempt(self, running: list[Request], waiting: deque[Request]) -> PagedBatch:
-        """Reserve one token for every running request, preempting the newest until it fits.
+    def _admit(self, waiting: deque[Unit], running: list[Unit]) -> list[Unit]:
+        """Pop waiting units while the batch has rows and the pool has blocks for their prompts,
+        keeping one spare block per row so the next decode step does not force a preemption."""
+        admitted: list[Unit] = []
+        rows = sum(_rows(u) for u in running)
+        blocks = 0
+        while waiting:
+            unit = waiting[0]
+            unit_rows = unit.params.num_beams if isinstance(unit, BeamSearch) else 1
+            unit_blocks = self.manager.blocks_for_tokens(_prefill_len(unit))
+            if rows + unit_rows > self.max_batch_size and (running or admitted):
+                break
+            if blocks + unit_blocks + rows + unit_rows > self.manager.allocator.num_free:
+                break
+            waiting.popleft()
+            admitted.append(unit)
+            rows += unit_rows
+            blocks += unit_blocks
+        return admitted
+
+    def _prefill(self, units: list[Unit]) -> Iterator[tuple[Request, str]]:
+        """One packed forward over the admitted prompts fills their blocks; each new request
+        then samples its first token (one batched sampler call) and each beam search takes its
+        first step. A preempted request recomputes its prompt and the tokens it had generated
+        (all but the last, which the next decode step feeds in)."""
+        seq_ids, token_lists = [], []
+        for unit in units:
+            if isinstance(unit, BeamSearch):
+                seq_id, tokens = unit.start(), unit.prompt_ids
+            else:
+                seq_id = unit.seq_id
+                tokens = unit.all_ids[:-1] if unit.output_ids else unit.all_ids
+            self.manager.add_sequence(seq_id)
+            seq_ids.append(seq_id)
+            token_lists.append(tokens)
+        self.manager.reserve(seq_ids, [len(t) for t in token_lists])
+        logits = self.runner.prefill(seq_ids, token_lists)
+        fresh = [(row, u) for row, u in enumerate(units) if isinstance(u, Request) and not u.output_ids]
+        yield from self._sample([u for _, u in fresh], logits[[row for row, _ in fresh]])  # type: ignore[misc]
+        for row, unit in enumerate(units):
+            if isinstance(unit, BeamSearch):
+                unit.advance(logits[row : row + 1], self.manager)
+
+    def _decode(self, running: list[Unit]) -> Iterator[tuple[Request, str]]:
+        """One compiled step for every running row; then sampling and the beams' bookkeeping."""
+        seq_ids, tokens = [], []
+        for unit in running:
+            if isinstance(unit, BeamSearch):
+                seq_ids += unit.seq_ids
+                tokens += unit.last_tokens()
+            else:
+                seq_ids.append(unit.seq_id)
+                tokens.append(unit.output_ids[-1])
+        logits = self.runner.decode(seq_ids, tokens)
+        row, sampled, sampled_rows = 0, [], []
+        for unit in running:
+            if isinstance(unit, BeamSearch):
+                n_beams = len(unit.beams)
+                unit.advance(logits[row : row + n_beams], self.manager)
+                row += n_beams
+            else:
+                sampled.append(unit)
+                sampled_rows.append(row)
+                row += 1
+        yield from self._sample(sampled, logits[sampled_rows])
+
+    def _sample(self, requests: list[Request], logits: torch.Tensor) -> Iterator[tuple[Request, str]]:
+        if not requests:
+            return
+        tokens = sample_batch(logits, [r.sampling for r in requests]).tolist()  # the one host read per step
+        for request, token in zip(requests, tokens):
+            request.sampling.record(token)
+            yield request, request.append(token)
+
+    def _reserve_or_preempt(self, running: list[Unit], waiting: deque[Unit]) -> None:
+        """Reserve one token for every running row, preempting the newest until it fits.
 
         Each step therefore decodes at least one request, so the engine always makes progress.
         """
         while True:
-            try:
-                return self.cache.prepare([r.seq_id for r in running], 1)
-            except OutOfBlocksError:
-                if len(running) == 1:
-                    raise
-                victim = running.pop()  # the most recent arrival
-                self.cache.free_sequence(victim.seq_id)
-                waiting.appendleft(victim)
-                self.preemptions += 1
+            seq_ids = [s for unit in running for s in _seq_ids(unit)]
+            if self.manager.can_reserve(seq_ids, [1] * len(seq_ids)) or len(running) == 1:
+                self.cache.copy_blocks(self.manager.reserve(seq_ids, [1] * len(seq_ids)))
+                return
+            victim = running.pop()  # the most recent arrival
+            self._free(victim)
+            if isinstance(victim, BeamSearch):
+                victim.restart()
+            waiting.appendleft(victim)
+            self.preemptions += 1
 
-    def _fits(self, request: Request, admitted: list[Request], n_running: int) -> bool:
-        """Room for the prompts admitted this step plus ``request``'s, keeping one spare block
-        per running or admitted request so that the next decode step does not immediately
-        force a preemption."""
-        prompts = admitted + [request]
-        needed = sum(math.ceil(len(r.all_ids) / self.cache.block_size) for r in prompts)
-        return needed + n_running + len(prompts) <= self.cache.allocator.num_free
+    def _retire_if_done(self, unit: Unit) -> bool:
+        if _is_done(unit):
+            self._free(unit)
+            return True
+        return False
 
-    def _prefill(self, requests: list[Request]) -> list[str]:
-        """One forward over all admitted prompts, packed end to end, fills their blocks; each
-        request then samples its first token. A preempted request recomputes its prompt and the
-        tokens it had generated (all but the last, which the next decode step feeds in)."""
-        token_lists = []
-        for request in requests:
-            self.cache.add_sequence(request.seq_id)
-            ids = request.all_ids
-            token_lists.append(ids[:-1] if request.output_ids else ids)
-        packed = self.cache.prepare_prefill([r.seq_id for r in requests], [len(t) for t in token_lists])
-        flat = torch.tensor([[t for tokens in token_lists for t in tokens]], device=self.model.device)
-        logits = self.model(flat, cache=packed)[0, packed.last_index]
-        deltas = []
-        for row, request in enumerate(requests):
-            if request.output_ids:  # resumed: the next token is already chosen
-                deltas.append("")
-            else:
-                deltas.append(request.append(self._sample(request, logits[row : row + 1])))
-        return deltas
-
-    def _sample(self, request: Request, logits: torch.Tensor) -> int:
-        history = torch.tensor([request.all_ids], device=logits.device)
-        return int(next_token(logits, history, request.params, request.generator)[0])
-
-    def _beam(self, request: Request) -> None:
-        token_ids = beam_search(
-            self.model, self.cache, request.prompt_ids, request.params, self.eos_ids, self._new_seq_id
-        )
-        for token in token_ids:
-            request.append(token)
-            if request.finished:
-                break
-        if not request.finished:
-            request.finish_reason = "length"
+    def _free(self, unit: Unit) -> None:
+        if isinstance(unit, BeamSearch):
+            unit.free(self.manager)
+        elif unit.seq_id in self.manager.block_tables:
+            self.manager.free_sequence(unit.seq_id)
 
     def _new_seq_id(self) -> int:
         self._next_seq_id += 1
         return self._next_seq_id - 1
+
+
+def _is_done(unit: Unit) -> bool:
+    return unit.done if isinstance(unit, BeamSearch) else unit.finished
+
+
+def _rows(unit: Unit) -> int:
+    return len(unit.beams) if isinstance(unit, BeamSearch) else 1
+
+
+def _seq_ids(unit: Unit) -> list[int]:
+    return unit.seq_ids if isinstance(unit, BeamSearch) else [unit.seq_id]
+
+
+def _prefill_len(unit: Unit) -> int:
+    if isinstance(unit, BeamSearch):
+        return len(unit.prompt_ids)
+    return len(unit.all_ids) - (1 if unit.output_ids else 0)

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
-from minillm.sampling import SamplingParams
+from minillm.sampling import SamplingParams, SamplingState
 from minillm.tokenizer import StreamingDetokenizer, Tokenizer
 
 
@@ -82,7 +80,7 @@ class Request:
     params: SamplingParams
     tokenizer: Tokenizer
     eos_ids: frozenset[int]
-    generator: torch.Generator | None = None
+    sampling: SamplingState | None = None  # set by the engine: params, generator, seen tokens
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None

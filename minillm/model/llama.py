@@ -35,7 +35,7 @@ class Block(torch.nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor,
+        mask: torch.Tensor | None,
         cache: KVCache | None = None,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
@@ -113,7 +113,11 @@ class Transformer(torch.nn.Module):
                 f"position {int(position_ids.max())} is past the context window of "
                 f"{self.config.max_position_embeddings} tokens"
             )
-        if cache is not None:
+        if getattr(cache, "reads_in_place", False):
+            if attention_mask is not None:
+                raise ValueError("a paged batch holds unpadded sequences: pass no attention_mask")
+            mask = None  # the paged step masks by each row's length and positions itself
+        elif cache is not None:
             mask = cache.mask(attention_mask, seq)
         else:
             mask = build_mask(attention_mask, seq, seq, input_ids.device)
@@ -123,14 +127,18 @@ class Transformer(torch.nn.Module):
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
-        mask: torch.Tensor,
+        mask: torch.Tensor | None,
         cache: KVCache | None = None,
         last_only: bool = False,
+        logits_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The forward pass itself, with no input checks: ``forward`` validates, then calls this.
 
         Checking ids and positions means reading values back from the device (a host sync);
-        a decode loop whose inputs are correct by construction calls ``run`` directly.
+        the engine, whose inputs are correct by construction, calls ``run`` directly.
+        ``logits_index`` picks the flattened token positions that need logits (each prompt's
+        last token in a packed prefill): the LM head, the largest matrix, runs only on those,
+        and the result is [1, len(logits_index), vocab].
         """
         cos, sin = self.rotary(position_ids, self.dtype)
         x = self.embed_tokens(input_ids)
@@ -138,7 +146,9 @@ class Transformer(torch.nn.Module):
             x = layer(x, cos, sin, mask, cache)
         if cache is not None:
             cache.advance(input_ids.shape[1])
-        if last_only:
+        if logits_index is not None:
+            x = x.reshape(-1, x.shape[-1])[logits_index][None]
+        elif last_only:
             x = x[:, -1:]
         return self.lm_head(self.norm(x))
 

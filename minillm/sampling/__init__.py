@@ -16,13 +16,14 @@ from minillm.sampling.processors import (
     apply_processors,
     build_processors,
 )
-from minillm.sampling.sampler import filtered_distribution, make_generator, next_token
+from minillm.sampling.sampler import SamplingState, filtered_distribution, make_generator, next_token, sample_batch
 
 __all__ = [
     "LogitsProcessor",
     "MinP",
     "RepetitionPenalty",
     "SamplingParams",
+    "SamplingState",
     "Temperature",
     "TopK",
     "TopP",
@@ -31,4 +32,5 @@ __all__ = [
     "filtered_distribution",
     "make_generator",
     "next_token",
+    "sample_batch",
 ]

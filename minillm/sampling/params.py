@@ -18,6 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 
 _SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes at most 64 bits
+# Temperatures below this decode greedily, as in vLLM (its _SAMPLING_EPS): logits / 1e-40
+# overflow to inf and the softmax turns to NaN, while at 1e-5 any real logit gap already puts
+# all the probability on the top token.
+GREEDY_TEMPERATURE = 1e-5
 
 
 def _as_int(name: str, value: Any) -> int:
@@ -61,7 +65,7 @@ class SamplingParams:
     Args:
         max_new_tokens: the most tokens to generate (>= 0).
         temperature: divides the logits before softmax (>= 0). Below 1 sharpens the
-            distribution, above 1 flattens it; 0 means greedy (always the most likely token).
+            distribution, above 1 flattens it; 0 (or anything below 1e-5) means greedy.
         top_k: keep only the k highest logits (and ties with the k-th); 0 turns it off.
         top_p: nucleus sampling: keep the smallest set of most likely tokens whose probability
             mass reaches ``top_p`` (in (0, 1]; 1 turns it off).
@@ -77,7 +81,8 @@ class SamplingParams:
         seed: seeds the random generator, so the same request draws the same tokens.
         ignore_eos: keep generating past the end-of-sequence token (benchmarks use this to
             get a fixed number of tokens).
-        n: completions to generate per prompt (>= 1).
+        n: completions to generate per prompt (>= 1); with beam search, the ``n`` best beams
+            (``n <= num_beams``, as transformers' ``num_return_sequences``).
     """
 
     max_new_tokens: int = 64
@@ -127,13 +132,24 @@ class SamplingParams:
         for name, ok, rule in checks:
             if not ok:
                 raise ValueError(f"{name} must be {rule}, got {given[name]}")
+        if self.num_beams > 1:
+            sampling = {"temperature": self.temperature > 0, "top_k": self.top_k > 0, "top_p": self.top_p < 1,
+                        "min_p": self.min_p > 0}
+            given_for_sampling = [f"{name}={given[name]}" for name, on in sampling.items() if on]
+            if given_for_sampling:
+                raise ValueError(
+                    f"beam search is deterministic: {', '.join(given_for_sampling)} only apply to sampling "
+                    f"(num_beams=1); drop them or set num_beams=1"
+                )
+            if self.n > self.num_beams:
+                raise ValueError(f"n={self.n} completions need at least as many beams, got num_beams={self.num_beams}")
 
     @property
     def is_greedy(self) -> bool:
         """True when each step simply takes the most likely token (temperature 0, one beam)."""
-        return self.temperature == 0 and self.num_beams == 1
+        return self.temperature < GREEDY_TEMPERATURE and self.num_beams == 1
 
     @property
     def do_sample(self) -> bool:
         """True when each step draws at random from the filtered distribution."""
-        return self.temperature > 0 and self.num_beams == 1
+        return self.temperature >= GREEDY_TEMPERATURE and self.num_beams == 1

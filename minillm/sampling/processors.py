@@ -75,13 +75,21 @@ class RepetitionPenalty:
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if input_ids.shape[0] != scores.shape[0]:
             raise ValueError(f"input_ids has {input_ids.shape[0]} rows but scores has {scores.shape[0]}")
-        vocab = scores.shape[-1]
-        # One "seen" flag per (row, vocab id), set by a single scatter: no Python loop over the
-        # history. Out-of-range ids are clamped into an extra column that is then cut off.
-        seen = torch.zeros(scores.shape[0], vocab + 1, dtype=torch.bool, device=scores.device)
-        seen.scatter_(1, input_ids.to(device=scores.device, dtype=torch.long).clamp(max=vocab), True)
+        return self.apply_seen(seen_tokens(input_ids, scores.shape[-1], scores.device), scores)
+
+    def apply_seen(self, seen: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """The same penalty given the "seen" flags [batch, vocab] directly: an engine keeps them
+        up to date one token at a time instead of rebuilding them from the history each step."""
         penalized = torch.where(scores < 0, scores * self.penalty, scores / self.penalty)
-        return torch.where(seen[:, :vocab], penalized, scores)
+        return torch.where(seen, penalized, scores)
+
+
+def seen_tokens(input_ids: torch.Tensor, vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """One "seen" flag per (row, vocab id) [batch, vocab], set by a single scatter: no Python
+    loop over the history. Out-of-range ids are clamped into an extra column that is cut off."""
+    seen = torch.zeros(input_ids.shape[0], vocab_size + 1, dtype=torch.bool, device=device)
+    seen.scatter_(1, input_ids.to(device=device, dtype=torch.long).clamp(max=vocab_size), True)
+    return seen[:, :vocab_size]
 
 
 @dataclass(frozen=True)

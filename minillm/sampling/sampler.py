@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import torch
 
+from collections.abc import Sequence
+
 from minillm.sampling.params import SamplingParams
-from minillm.sampling.processors import apply_processors, build_processors
+from minillm.sampling.processors import RepetitionPenalty, apply_processors, build_processors, seen_tokens
 
 
 def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torch.Generator | None:
@@ -90,3 +92,62 @@ def next_token(
         )
     probs = scores.softmax(dim=-1)
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+
+
+class SamplingState:
+    """What one sequence's sampler keeps across steps: its parameters, its random stream, and
+    (only when a repetition penalty asks for it) the set of token ids it has seen so far.
+
+    The seen flags [vocab] start from the prompt and gain one token per step (``record``), so
+    the penalty never rebuilds a history tensor: the incremental form of ``RepetitionPenalty``.
+    """
+
+    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int], vocab_size: int,
+                 generator: torch.Generator | None, device: torch.device | str = "cpu") -> None:
+        self.params = params
+        self.generator = generator
+        self.seen: torch.Tensor | None = None
+        if params.repetition_penalty != 1.0:
+            self.seen = seen_tokens(torch.tensor([list(prompt_ids)]), vocab_size, device)[0].clone()
+
+    def record(self, token_id: int) -> None:
+        if self.seen is not None and 0 <= token_id < self.seen.shape[0]:
+            self.seen[token_id] = True
+
+
+def sample_batch(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+    """One next token per row of ``logits`` [rows, vocab], each row by its own ``states[row]``:
+    the engine's one sampler call per step. Returns a LongTensor [rows].
+
+    Rows that share their parameters go through the processors together (every processor works
+    row by row, so a row's result does not depend on who else is in the batch: the same bits as
+    ``next_token`` on that row alone). Greedy rows take the argmax; sampled rows draw with
+    their own generator, so a seeded request gets the same tokens however it is batched.
+    """
+    if logits.dim() != 2 or logits.shape[0] != len(states):
+        raise ValueError(f"logits must be [rows, vocab] with one row per state ({len(states)}), got {tuple(logits.shape)}")
+    scores = logits.float()
+    tokens = torch.empty(len(states), dtype=torch.long, device=logits.device)
+    groups: dict[SamplingParams, list[int]] = {}
+    for row, state in enumerate(states):
+        groups.setdefault(state.params, []).append(row)
+    for params, rows in groups.items():
+        index = torch.tensor(rows, device=logits.device)
+        group = scores[index]
+        if params.repetition_penalty != 1.0:
+            seen = torch.stack([states[r].seen for r in rows])  # type: ignore[misc]
+            group = RepetitionPenalty(params.repetition_penalty).apply_seen(seen, group)
+        # the rest of the chain (temperature and filters, sampling only); no history needed
+        chain = build_processors(SamplingParams(temperature=params.temperature, top_k=params.top_k,
+                                                top_p=params.top_p, min_p=params.min_p))
+        group = apply_processors(chain, group[:, :0].long(), group)
+        if params.is_greedy:
+            tokens[index] = group.argmax(dim=-1)
+            continue
+        probs = group.softmax(dim=-1)
+        for i, row in enumerate(rows):
+            generator = states[row].generator
+            if generator is not None and generator.device.type != probs.device.type:
+                raise ValueError(f"the generator is on {generator.device} but the logits are on {probs.device}")
+            tokens[row] = torch.multinomial(probs[i : i + 1], num_samples=1, generator=generator)[0, 0]
+    return tokens
