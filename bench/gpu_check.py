@@ -9,8 +9,9 @@ same weights.
     python bench/gpu_check.py prepare .gpu                              # here: config + tokenizer
     PYTHONPATH=. python3 bench/gpu_check.py run .gpu --out $OUT        # there, carrying .gpu
 
-It writes ``gpu_check.json`` to ``--out``: greedy parity of the compiled (CUDA-graph) decoder,
-the eager decoder and transformers in float32, then ``bench_model`` in bfloat16 and float32.
+It writes ``gpu_check.json`` to ``--out``: greedy parity of the compiled (CUDA-graph) Engine,
+the eager Engine and transformers in float32 (batch 1 and the three prompts batched), then
+``bench_model`` and ``bench batching``-style batch-8 decode in bfloat16 and float32.
 It runs on a CPU too (``--device cpu``), which is how it was tested before a GPU was lent.
 """
 
@@ -26,7 +27,8 @@ import torch
 
 from minillm import load_model
 from minillm.bench import bench_model
-from minillm.engine.fast import FastDecoder
+from minillm.engine import Engine
+from minillm.sampling import SamplingParams
 from minillm.reference import hf_causal_lm
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a small village"]
@@ -57,11 +59,12 @@ def random_checkpoint(assets: Path, folder: Path, seed: int = 0) -> Path:
 
 
 def greedy_parity(folder: Path, device: str, new_tokens: int) -> dict[str, object]:
-    """Greedy tokens of transformers, the eager decoder and the compiled one (float32)."""
+    """Greedy tokens of transformers, the eager Engine and the compiled one (float32)."""
     model, tok = load_model(folder, device=device, dtype=torch.float32)
     reference = hf_causal_lm(folder).to(device)
-    fast, eager = FastDecoder(model, max_len=256), FastDecoder(model, max_len=256, compile=False)
-    rows = []
+    compiled, eager = Engine(model, tok), Engine(model, tok, compile=False)
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    rows, expected_all = [], []
     for prompt in PROMPTS:
         ids = tok.encode(prompt)
         x = torch.tensor([ids], device=device)
@@ -69,13 +72,30 @@ def greedy_parity(folder: Path, device: str, new_tokens: int) -> dict[str, objec
             hf = reference.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens,
                                     min_new_tokens=new_tokens, do_sample=False, pad_token_id=tok.pad_id)
         expected = hf[0, len(ids):].tolist()
+        expected_all.append(expected)
         start = time.perf_counter()
-        compiled = fast.greedy(ids, new_tokens)
-        rows.append({"prompt": prompt, "compiled_equals_hf": compiled == expected,
-                     "eager_equals_hf": eager.greedy(ids, new_tokens) == expected,
-                     "replay_equals_first": fast.greedy(ids, new_tokens) == compiled,
+        first = compiled.generate([prompt], params)[0].token_ids
+        rows.append({"prompt": prompt, "compiled_equals_hf": first == expected,
+                     "eager_equals_hf": eager.generate([prompt], params)[0].token_ids == expected,
+                     "replay_equals_first": compiled.generate([prompt], params)[0].token_ids == first,
                      "first_call_s": time.perf_counter() - start})
-    return {"compiled": fast.compiled, "prompts": rows}
+    batched = [c.token_ids for c in compiled.generate(PROMPTS, params)]
+    return {"compiled": compiled.runner.compiled, "prompts": rows, "batched_equals_hf": batched == expected_all,
+            "compile_s": compiled.runner.compile_seconds}
+
+
+def batch_decode(folder: Path, device: str, dtype: str, new_tokens: int, rows: int = 8) -> dict[str, float]:
+    """Aggregate decode tokens/s of the compiled Engine with ``rows`` requests at once."""
+    model, tok = load_model(folder, device=device, dtype=getattr(torch, dtype))
+    engine = Engine(model, tok, max_batch_size=rows)
+    prompts = [tok.encode(p) for p in (PROMPTS * rows)[:rows]]
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    engine.generate(prompts, params)  # compile, record the graphs
+    torch.cuda.synchronize() if device.startswith("cuda") else None
+    start = time.perf_counter()
+    engine.generate(prompts, params)
+    torch.cuda.synchronize() if device.startswith("cuda") else None
+    return {"rows": rows, "tok_s": rows * new_tokens / (time.perf_counter() - start)}
 
 
 def main() -> None:
@@ -105,6 +125,7 @@ def main() -> None:
         torch._dynamo.reset()
         r = bench_model(args.device, dtype, new_tokens=args.new_tokens, source=folder)
         results[f"bench_{dtype}"] = r
+        results[f"batch8_{dtype}"] = batch_decode(folder, args.device, dtype, args.new_tokens)
         save()
         print(f"{dtype}: decode {r['decode_tok_s_minillm']:.0f} tok/s (transformers {r['decode_tok_s_hf']:.0f}, "
               f"{r['decode_ratio']:.2f}x; eager {r['decode_tok_s_minillm_eager']:.0f}); "

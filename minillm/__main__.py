@@ -42,12 +42,17 @@ def demo() -> None:
     print(f"\nuser> {question}\nassistant> ", end="", flush=True)
     messages = [{"role": "user", "content": question}]
     params = SamplingParams(max_new_tokens=64)
+    engine.generate(["Hello"], SamplingParams(max_new_tokens=2))  # compile the decode step first, and say so
+    compile_s = sum(engine.runner.compile_seconds.values())
     start = time.perf_counter()
-    for piece in engine.stream_chat(messages, params):
+    stream = engine.stream_chat(messages, params)
+    for piece in stream:
         print(piece, end="", flush=True)
     elapsed = time.perf_counter() - start
-    n_tokens = len(engine.chat(messages, params).token_ids)  # greedy: the same tokens again, now counted
-    print(f"\n[{n_tokens} tokens streamed in {elapsed:.2f} s: {n_tokens / elapsed:.1f} tokens/s, batch 1]")
+    assert stream.completion is not None
+    n_tokens = len(stream.completion.token_ids)
+    print(f"\n[{n_tokens} tokens in {elapsed:.2f} s, prefill included: {n_tokens / elapsed:.1f} tokens/s, batch 1, "
+          f"{'compiled' if engine.runner.compiled else 'eager'} decode step (compiled once in {compile_s:.0f} s)]")
 
     prompts = ["The three primary colors are", "def is_prime(n):", "A haiku about the sea:", "The speed of light is"]
     start = time.perf_counter()
@@ -185,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
 
     commands.add_parser("demo", help="run the end-to-end demo")
     bench = commands.add_parser("bench", help="benchmarks against the reference libraries")
-    bench.add_argument("target", nargs="?", default="model", choices=["model", "cpu", "tokenizer", "cache", "batching", "load"])
+    bench.add_argument("target", nargs="?", default="model", choices=["model", "cpu", "tokenizer", "cache", "batching", "context", "load"])
     bench.add_argument("--json", action="store_true", help="print the results as one JSON object")
     bench.add_argument("--device", default=None, help="model benchmark device (default: cuda if available)")
     bench.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -210,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
                 "tokenizer": (benchmarks.bench_tokenizer, benchmarks.print_tokenizer_report),
                 "cache": (benchmarks.bench_cache, benchmarks.print_cache_report),
                 "batching": (benchmarks.bench_batching, benchmarks.print_batching_report),
+                "context": (benchmarks.bench_context, benchmarks.print_context_report),
                 "load": (benchmarks.bench_load, lambda r: print(f"load_model() after conversion: {r['load_s']:.2f} s")),
             }[args.target]
             results = run()

@@ -19,8 +19,6 @@ from minillm.tokenizer import Tokenizer, train_bpe
 if TYPE_CHECKING:
     import torch
 
-    from minillm.engine.fast import FastDecoder
-
 
 def best_time(fn: Callable[[], Any], repeats: int = 3) -> float:
     """The fastest of ``repeats`` wall-clock timings of ``fn()``, in seconds."""
@@ -149,12 +147,14 @@ def kv_waste(workload: list[tuple[int, int]], block_size: int = 16, max_new_toke
 
 
 def bench_cache(new_tokens: int = 256, decode_tokens: int = 128) -> dict[str, Any]:
-    """KV cache vs full recompute, paged vs contiguous decode, and KV memory waste."""
+    """KV cache vs full recompute, paged vs contiguous decode, and KV memory waste.
+
+    All eager and batch 1, the teaching loops of notebooks 07 and 08: what the cache itself
+    buys, before compiling (that is ``bench model``)."""
     import torch
 
     from minillm.cache import ContiguousKVCache, PagedKVCache
-    from minillm.engine.fast import FastDecoder
-    from minillm.generate import greedy_recompute
+    from minillm.generate import greedy_contiguous, greedy_recompute
     from minillm.model import load_model
 
     model, tok = load_model(device="cpu")
@@ -164,8 +164,7 @@ def bench_cache(new_tokens: int = 256, decode_tokens: int = 128) -> dict[str, An
     results: dict[str, Any] = {"new_tokens": new_tokens, "prompt_tokens": len(prompt)}
     with torch.inference_mode():
         results["recompute_s"] = best_time(lambda: greedy_recompute(model, prompt, new_tokens), repeats=1)
-        cached = FastDecoder(model, max_len=len(prompt) + new_tokens, compile=False)  # eager, like recompute
-        results["cached_s"] = best_time(lambda: cached.greedy(prompt, new_tokens), repeats=2)
+        results["cached_s"] = best_time(lambda: greedy_contiguous(model, [prompt], new_tokens), repeats=2)
         results["cache_speedup"] = results["recompute_s"] / results["cached_s"]
 
         def decode_time(paged: bool) -> float:
@@ -242,33 +241,46 @@ def interleaved_best(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[st
     return best
 
 
+def _hf_static_compiled(reference: Any, prompt: list[int], new_tokens: int) -> Callable[[], Any]:
+    """transformers' fair compiled baseline: ``generate()`` on its static cache with the forward
+    compiled by ``torch.compile`` (the recipe of its "static cache and torch.compile" guide)."""
+    import copy
+
+    import torch
+
+    compiled = copy.copy(reference)  # the same weights; a forward of its own to compile
+    compiled.forward = torch.compile(reference.forward, fullgraph=True)
+    ids = torch.tensor([prompt], device=reference.device)
+
+    def run() -> Any:
+        return compiled.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens, do_sample=False, cache_implementation="static",
+                                 pad_token_id=0)
+
+    return run
+
+
 def bench_model(device: str | None = None, dtype: str = "float32", new_tokens: int = 128,
                 prompt_tokens: int = 256, repeats: int = 5, source: Path | None = None,
-                decoder: FastDecoder | None = None) -> dict[str, Any]:
-    """Prefill and decode tokens/s of minillm and transformers on the same weights, device and
-    dtype, measured in one run; plus the device's bandwidth and the roofline fraction reached.
+                hf_compiled: bool = True) -> dict[str, Any]:
+    """Prefill and batch-1 decode tokens/s of the Engine and of transformers on the same weights,
+    device and dtype, measured in one run; plus the device's bandwidth and the roofline fraction.
 
     ``source`` is a GGUF file or an HF checkpoint folder that both libraries read (default:
-    SmolLM2-135M-Instruct's GGUF). minillm decodes with the compiled ``FastDecoder`` (its
-    compile time is reported apart, not hidden); the eager decode loop is timed too, to show
-    what compiling buys. Pass ``decoder`` (wrapping the model ``source`` names) to benchmark
-    one that is already built, and compiled.
+    SmolLM2-135M-Instruct's GGUF). The peers: transformers ``generate()`` eager, and (unless
+    ``hf_compiled`` is False) ``generate()`` on its static cache with a compiled forward. The
+    Engine's compile times are reported apart, not hidden; an eager Engine is timed too, to
+    show what compiling buys.
     """
     import torch
 
-    from minillm.engine.fast import FastDecoder
+    from minillm.engine import Engine
     from minillm.model import load_model
     from minillm.reference import hf_causal_lm
-    from minillm.tokenizer import Tokenizer
+    from minillm.sampling import SamplingParams
 
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    if decoder is None:
-        model, tok = load_model(source, device=device, dtype=torch_dtype)
-    else:
-        model = decoder.model
-        tok = Tokenizer.from_file(source or default_gguf_path())  # a GGUF or a checkpoint folder
-        if model.dtype != torch_dtype:
-            raise ValueError(f"the decoder's model is {model.dtype}, the benchmark was asked for {dtype}")
+    model, tok = load_model(source, device=device, dtype=torch_dtype)
     dev = model.device
     reference = hf_causal_lm(source).to(device=dev, dtype=torch_dtype)
 
@@ -279,18 +291,19 @@ def bench_model(device: str | None = None, dtype: str = "float32", new_tokens: i
     prompt = corpus_prompt(tok, prompt_tokens)
     short = prompt[:DECODE_PROMPT_TOKENS]
     x = torch.tensor([prompt], device=dev)
-    fast = decoder or FastDecoder(model, max_len=len(short) + new_tokens)
-    eager = FastDecoder(model, max_len=len(short) + new_tokens, compile=False)
+    engine = Engine(model, tok, max_batch_size=8)
+    eager = Engine(model, tok, max_batch_size=8, compile=False)
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     results: dict[str, Any] = {
         "model": str(source or default_gguf_path().name), "device": str(dev), "dtype": dtype,
         "threads": torch.get_num_threads(),
-        "prompt_tokens": len(prompt), "new_tokens": new_tokens, "compiled": fast.compiled,
+        "prompt_tokens": len(prompt), "new_tokens": new_tokens, "compiled": engine.runner.compiled,
     }
     start = time.perf_counter()
-    fast_tokens = fast.greedy(short, new_tokens)  # the first call compiles the decode step
+    engine_tokens = engine.generate([short], params)[0].token_ids  # the first call compiles the decode step
     sync()
-    results["compile_s"] = time.perf_counter() - start  # ~0 for a decoder that was already compiled
-    results["same_tokens_as_eager"] = fast_tokens == eager.greedy(short, new_tokens)
+    results["compile_s"] = time.perf_counter() - start
+    results["same_tokens_as_eager"] = engine_tokens == eager.generate([short], params)[0].token_ids
 
     def hf_generate() -> None:
         ids = torch.tensor([short], device=dev)
@@ -304,25 +317,37 @@ def bench_model(device: str | None = None, dtype: str = "float32", new_tokens: i
             sync()
         return run
 
+    decoders = {
+        "minillm": timed(lambda: engine.generate([short], params)),
+        "minillm_eager": timed(lambda: eager.generate([short], params)),
+        "hf": hf_generate,
+    }
+    if hf_compiled:
+        hf_static = _hf_static_compiled(reference, short, new_tokens)
+        start = time.perf_counter()
+        hf_static_tokens = hf_static()[0, len(short):].tolist()  # compiles
+        results["hf_compile_s"] = time.perf_counter() - start
+        results["same_tokens_as_hf_static"] = hf_static_tokens == engine_tokens
+        decoders["hf_static_compiled"] = timed(hf_static)
+    # the bandwidth too, in the same rounds: a busy spell on a shared machine lowers all alike
+    decoders["bandwidth"] = bandwidth_reader(dev)
     with torch.inference_mode():
         prefill = interleaved_best({
             "minillm": timed(lambda: model(x, last_only=True)),
             "hf": timed(lambda: reference(x, logits_to_keep=1)),
         }, repeats=3)
-        decode = interleaved_best({
-            "minillm": timed(lambda: fast.greedy(short, new_tokens)),
-            "minillm_eager": timed(lambda: eager.greedy(short, new_tokens)),
-            "hf": hf_generate,
-            # the bandwidth too, in the same rounds: a busy spell on a shared machine lowers all alike
-            "bandwidth": bandwidth_reader(dev),
-        }, repeats)
+        decode = interleaved_best(decoders, repeats)
     for side in ("minillm", "hf"):
         results[f"prefill_tok_s_{side}"] = len(prompt) / prefill[side]
-    for side in ("minillm", "minillm_eager", "hf"):
-        results[f"decode_tok_s_{side}"] = new_tokens / decode[side]
+    for side in decoders:
+        if side != "bandwidth":
+            results[f"decode_tok_s_{side}"] = new_tokens / decode[side]
     results["prefill_ratio"] = results["prefill_tok_s_minillm"] / results["prefill_tok_s_hf"]
     results["decode_ratio"] = results["decode_tok_s_minillm"] / results["decode_tok_s_hf"]
     results["decode_ratio_eager"] = results["decode_tok_s_minillm_eager"] / results["decode_tok_s_hf"]
+    if hf_compiled:
+        results["decode_ratio_hf_static"] = results["decode_tok_s_minillm"] / results["decode_tok_s_hf_static_compiled"]
+    results["compile_s_per_variant"] = engine.runner.compile_seconds
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     bandwidth = BANDWIDTH_BYTES / decode["bandwidth"]
     results["weight_bytes"] = weight_bytes
@@ -335,41 +360,50 @@ def bench_model(device: str | None = None, dtype: str = "float32", new_tokens: i
 
 def print_model_report(r: dict[str, Any]) -> None:
     print(f"{r['model']} on {r['device']} ({r['dtype']}, {r['threads']} threads)")
-    print(f"{'':<48}{'minillm':>12}{'transformers':>14}   ratio")
-    print(f"{'prefill, ' + str(r['prompt_tokens']) + ' tokens (tok/s)':<48}"
-          f"{r['prefill_tok_s_minillm']:>12.1f}{r['prefill_tok_s_hf']:>14.1f}   {r['prefill_ratio']:.2f}x")
+    print(f"{'':<52}{'minillm':>10}{'transformers':>14}   ratio")
+    print(f"{'prefill, ' + str(r['prompt_tokens']) + ' tokens (tok/s)':<52}"
+          f"{r['prefill_tok_s_minillm']:>10.1f}{r['prefill_tok_s_hf']:>14.1f}   {r['prefill_ratio']:.2f}x")
     fast = "compiled" if r["compiled"] else "not compiled"
-    print(f"{'decode, batch 1, ' + str(r['new_tokens']) + ' tokens (tok/s), ' + fast:<48}"
-          f"{r['decode_tok_s_minillm']:>12.1f}{r['decode_tok_s_hf']:>14.1f}   {r['decode_ratio']:.2f}x (goal: >= 1.5x)")
-    print(f"{'  the same loop, eager':<48}{r['decode_tok_s_minillm_eager']:>12.1f}{'':>14}   {r['decode_ratio_eager']:.2f}x")
-    print(f"first call (compiles the decode step): {r['compile_s']:.1f} s; "
-          f"compiled tokens equal eager tokens: {r['same_tokens_as_eager']}")
+    print(f"{'decode, batch 1, ' + str(r['new_tokens']) + ' tokens (tok/s): Engine, ' + fast:<52}"
+          f"{r['decode_tok_s_minillm']:>10.1f}{r['decode_tok_s_hf']:>14.1f}   {r['decode_ratio']:.2f}x "
+          "vs generate() eager (goal: >= 2x)")
+    if "decode_tok_s_hf_static_compiled" in r:
+        print(f"{'  vs transformers static cache + torch.compile':<52}{'':>10}"
+              f"{r['decode_tok_s_hf_static_compiled']:>14.1f}   {r['decode_ratio_hf_static']:.2f}x (goal: >= 1x); "
+              f"its compile {r['hf_compile_s']:.1f} s, same tokens: {r['same_tokens_as_hf_static']}")
+    print(f"{'  the Engine eager (not compiled)':<52}{r['decode_tok_s_minillm_eager']:>10.1f}{'':>14}   "
+          f"{r['decode_ratio_eager']:.2f}x")
+    variants = ", ".join(f"{k} {v:.1f} s" for k, v in r["compile_s_per_variant"].items())
+    print(f"first call {r['compile_s']:.1f} s (compiling: {variants}); compiled tokens equal eager tokens: "
+          f"{r['same_tokens_as_eager']}")
     print(f"memory bandwidth {r['bandwidth_gb_s']:.1f} GB/s; weights {r['weight_bytes'] / 1e6:.0f} MB per decode step "
           f"-> roofline {r['roofline_tok_s']:.1f} tok/s; minillm reaches {100 * r['roofline_fraction']:.0f}% of it "
-          f"(goal: >= 60%), transformers {100 * r['roofline_fraction_hf']:.0f}%")
+          f"(goal: >= 70%), transformers {100 * r['roofline_fraction_hf']:.0f}%")
 
 
 def bench_cpu_settings(new_tokens: int = 128, repeats: int = 5) -> dict[str, Any]:
-    """Decode tokens/s of the compiled ``FastDecoder`` on the CPU for each thread count and
-    weight dtype: the measurement the CPU defaults are chosen by.
+    """Batch-1 decode tokens/s of the compiled Engine on the CPU for each thread count and weight
+    dtype: the measurement the CPU defaults are chosen by.
 
     The decode is timed as ``bench model`` times it (the same prompt and length), so the two
     reports agree. Compiled CPU code fixes its thread count when it is generated, so each
     setting is compiled afresh, then run once untimed so that the timing starts warm. On the
-    shared course machine one setting's decode still flips between ~51 and ~72 tok/s from run
-    to run (measured in runs of ten), so the sweep ranks coarse differences only. bfloat16 halves the bytes per step but rounds the weights: its greedy tokens are compared
-    with float32's.
+    shared course machine one setting's decode moves by up to 1.5x from run to run, so the
+    sweep ranks coarse differences only. bfloat16 halves the bytes per step but rounds the
+    weights: its greedy tokens are compared with float32's.
     """
     import os
 
     import torch
 
-    from minillm.engine.fast import FastDecoder
+    from minillm.engine import Engine
     from minillm.model import load_model
+    from minillm.sampling import SamplingParams
 
     threads_before = torch.get_num_threads()
     rows = []
     reference_tokens: list[int] | None = None  # float32's, the first setting measured
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     try:
         for dtype in (torch.float32, torch.bfloat16):
             model, tok = load_model(device="cpu", dtype=dtype)
@@ -377,12 +411,12 @@ def bench_cpu_settings(new_tokens: int = 128, repeats: int = 5) -> dict[str, Any
             for threads in range(1, (os.cpu_count() or 1) + 1):
                 torch.set_num_threads(threads)
                 torch._dynamo.reset()  # recompile for this thread count
-                decoder = FastDecoder(model, max_len=len(prompt) + new_tokens)
-                tokens = decoder.greedy(prompt, new_tokens)  # compiles
-                decoder.greedy(prompt, new_tokens)  # warms up
+                engine = Engine(model, tok, max_batch_size=1)
+                tokens = engine.generate([prompt], params)[0].token_ids  # compiles
+                engine.generate([prompt], params)  # warms up
                 if reference_tokens is None:
                     reference_tokens = tokens
-                seconds = best_time(lambda: decoder.greedy(prompt, new_tokens), repeats)
+                seconds = best_time(lambda: engine.generate([prompt], params), repeats)
                 rows.append({"dtype": str(dtype).removeprefix("torch."), "threads": threads,
                              "decode_tok_s": new_tokens / seconds, "same_tokens_as_float32": tokens == reference_tokens})
     finally:
@@ -393,7 +427,7 @@ def bench_cpu_settings(new_tokens: int = 128, repeats: int = 5) -> dict[str, Any
 
 
 def print_cpu_settings_report(r: dict[str, Any]) -> None:
-    print(f"compiled decode on this CPU, batch 1, {r['new_tokens']} tokens:")
+    print(f"compiled Engine decode on this CPU, batch 1, {r['new_tokens']} tokens:")
     for row in r["rows"]:
         same = "" if row["dtype"] == "float32" else f"  (greedy tokens equal float32's: {row['same_tokens_as_float32']})"
         print(f"  {row['dtype']:<9} {row['threads']} thread(s): {row['decode_tok_s']:6.1f} tok/s{same}")
@@ -413,35 +447,131 @@ BATCH_PROMPTS = [
 ]
 
 
-def bench_batching(max_batch_size: int = 8) -> dict[str, Any]:
-    """Continuous batching: 8 greedy requests of mixed prompt and output lengths, run one by one
-    and then together on one engine; same outputs, aggregate tokens/s compared."""
+def bench_batching(new_tokens: int = 128, repeats: int = 2) -> dict[str, Any]:
+    """8 greedy requests of mixed prompt lengths, ``new_tokens`` each, in the same run through:
+    the Engine batched (continuous batching, 8 rows), the Engine one request at a time,
+    transformers' own continuous batching (``generate_batch``, paged attention) and
+    transformers' padded ``generate()`` (left-padded, one batch). Aggregate tokens/s, best of
+    ``repeats`` interleaved rounds, and whether the outputs agree."""
+    import torch
+
     from minillm.engine import Engine
     from minillm.model import load_model
+    from minillm.reference import hf_causal_lm
     from minillm.sampling import SamplingParams
+    from transformers import GenerationConfig
 
-    model, tok = load_model()
-    engine = Engine(model, tok, max_batch_size=max_batch_size)
-    prompts = [p for p, _ in BATCH_PROMPTS]
-    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for _, n in BATCH_PROMPTS]
-    start = time.perf_counter()
-    alone = [engine.generate([p], ps)[0] for p, ps in zip(prompts, params)]
-    one_by_one_s = time.perf_counter() - start
-    start = time.perf_counter()
-    together = engine.generate(prompts, params)
-    batched_s = time.perf_counter() - start
-    tokens = sum(len(c.token_ids) for c in together)
-    return {
-        "requests": len(prompts),
-        "tokens": tokens,
-        "one_by_one_tok_s": tokens / one_by_one_s,
-        "batched_tok_s": tokens / batched_s,
-        "speedup": one_by_one_s / batched_s,
-        "same_outputs": [c.token_ids for c in alone] == [c.token_ids for c in together],
-    }
+    model, tok = load_model(device="cpu")
+    reference = hf_causal_lm(None)
+    engine = Engine(model, tok, max_batch_size=8)
+    prompts = [tok.encode(p) for p, _ in BATCH_PROMPTS]
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    outputs: dict[str, list[list[int]]] = {}
+
+    def batched() -> None:
+        outputs["batched"] = [c.token_ids for c in engine.generate(prompts, params)]
+
+    def one_by_one() -> None:
+        outputs["one_by_one"] = [engine.generate([p], params)[0].token_ids for p in prompts]
+
+    config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                              eos_token_id=None, pad_token_id=tok.pad_id or 0)
+
+    def hf_generate_batch() -> None:
+        results = reference.generate_batch(prompts, generation_config=config, progress_bar=False)
+        outputs["hf_generate_batch"] = [out.generated_tokens for out in results.values()]
+
+    def hf_padded() -> None:
+        batch = tok.encode_batch([tok.decode(p) for p in prompts], padding_side="left")
+        out = reference.generate(batch.input_ids, attention_mask=batch.attention_mask, max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=tok.pad_id or 0)
+        outputs["hf_padded"] = out[:, batch.input_ids.shape[1]:].tolist()
+
+    batched()  # compiles the engine's step (rows=1 is compiled by one_by_one's first request)
+    one_by_one()
+    with torch.inference_mode():
+        best = interleaved_best({"batched": batched, "one_by_one": one_by_one,
+                                 "hf_generate_batch": hf_generate_batch, "hf_padded": hf_padded}, repeats)
+    tokens = len(prompts) * new_tokens
+    r: dict[str, Any] = {"requests": len(prompts), "new_tokens": new_tokens, "tokens": tokens,
+                         "prompt_tokens": [len(p) for p in prompts]}
+    for name, seconds in best.items():
+        r[f"{name}_tok_s"] = tokens / seconds
+    for peer in ("one_by_one", "hf_generate_batch", "hf_padded"):
+        r[f"speedup_vs_{peer}"] = r["batched_tok_s"] / r[f"{peer}_tok_s"]
+    r["same_outputs_as_one_by_one"] = outputs["batched"] == outputs["one_by_one"]
+    r["same_outputs_as_hf_generate_batch"] = sorted(outputs["batched"]) == sorted(outputs["hf_generate_batch"])
+    return r
 
 
 def print_batching_report(r: dict[str, Any]) -> None:
-    print(f"{r['requests']} requests, {r['tokens']} generated tokens (greedy, mixed lengths):")
-    print(f"  one by one {r['one_by_one_tok_s']:.1f} tok/s, continuous batching {r['batched_tok_s']:.1f} tok/s: "
-          f"{r['speedup']:.2f}x (goal: >= 3x); identical outputs: {r['same_outputs']}")
+    print(f"{r['requests']} greedy requests (prompts of {min(r['prompt_tokens'])}-{max(r['prompt_tokens'])} tokens), "
+          f"{r['new_tokens']} new tokens each, {r['tokens']} tokens in all (tok/s, best of interleaved rounds):")
+    rows = [("Engine, continuous batching (8 rows)", "batched", ""),
+            ("Engine, one request at a time", "one_by_one", "goal: >= 3x"),
+            ("transformers generate_batch (continuous batching)", "hf_generate_batch", "goal: >= 4x"),
+            ("transformers generate(), left-padded batch", "hf_padded", "goal: >= 2.5x")]
+    for label, key, goal in rows:
+        ratio = "" if key == "batched" else f"   Engine batched is {r[f'speedup_vs_{key}']:.2f}x ({goal})"
+        print(f"  {label:<52}{r[f'{key}_tok_s']:>8.1f}{ratio}")
+    print(f"  identical outputs: batched == one by one {r['same_outputs_as_one_by_one']}, "
+          f"== transformers generate_batch {r['same_outputs_as_hf_generate_batch']}")
+
+
+def bench_context(contexts: tuple[int, ...] = (256, 512, 1024, 2048, 4096, 8192), batch_sizes: tuple[int, ...] = (1, 8),
+                  steps: int = 16) -> dict[str, Any]:
+    """Decode step time at batch 1 and 8 for growing contexts, against the roofline of the bytes
+    a step must read: every weight once, plus every row's K and V of every layer.
+
+    The K/V bytes grow with the context (46 KB per token here, fp32) while the weights stay at
+    538 MB, so at batch 1 the KV reads overtake the weights near 11.7k tokens, and at batch B
+    near 11.7k / B: this is where attention, not the matrix products, sets the speed.
+    """
+    import torch
+
+    from minillm.cache import kv_bytes_per_token
+    from minillm.engine import Engine
+    from minillm.model import load_model
+
+    model, tok = load_model(device="cpu")
+    contexts = tuple(c for c in contexts if c + steps <= model.config.max_position_embeddings)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    per_token = kv_bytes_per_token(model.config, model.dtype)
+    read = bandwidth_reader(model.device)
+    rows = []
+    for batch in batch_sizes:
+        engine = Engine(model, tok, max_batch_size=batch, kv_cache_tokens=batch * (max(contexts) + steps + 16))
+        for context in contexts:
+            seq_ids = list(range(10_000, 10_000 + batch))
+            for seq_id in seq_ids:  # fill the cache with `context` tokens per row, without a prefill
+                engine.manager.add_sequence(seq_id)
+            engine.manager.reserve(seq_ids, [context] * batch)
+            engine.manager.advance(seq_ids, [context] * batch)
+            tokens = [1] * batch
+
+            def decode_steps(n: int = steps) -> None:
+                for _ in range(n):
+                    engine.manager.reserve(seq_ids, [1] * batch)
+                    engine.runner.decode(seq_ids, tokens)
+
+            decode_steps(2)  # compile / warm up
+            best = interleaved_best({"step": lambda: decode_steps(), "bandwidth": read}, repeats=3)
+            for seq_id in seq_ids:
+                engine.manager.free_sequence(seq_id)
+            step_s = best["step"] / steps
+            bandwidth = BANDWIDTH_BYTES / best["bandwidth"]
+            kv_bytes = batch * (context + steps / 2) * per_token
+            rows.append({"batch": batch, "context": context, "step_ms": 1000 * step_s,
+                         "tok_s": batch / step_s, "weight_bytes": weight_bytes, "kv_bytes": kv_bytes,
+                         "bandwidth_gb_s": bandwidth / 1e9,
+                         "roofline_fraction": (weight_bytes + kv_bytes) / bandwidth / step_s})
+    return {"rows": rows, "kv_bytes_per_token": per_token, "weight_bytes": weight_bytes}
+
+
+def print_context_report(r: dict[str, Any]) -> None:
+    print(f"decode step vs context (CPU, fp32): weights {r['weight_bytes'] / 1e6:.0f} MB + K/V "
+          f"{r['kv_bytes_per_token'] / 1e3:.1f} KB per token per row read every step")
+    print(f"  {'batch':>5} {'context':>8} {'step ms':>9} {'tok/s':>8} {'KV MB':>8} {'GB/s here':>10} {'roofline':>9}")
+    for row in r["rows"]:
+        print(f"  {row['batch']:>5} {row['context']:>8} {row['step_ms']:>9.1f} {row['tok_s']:>8.1f} "
+              f"{row['kv_bytes'] / 1e6:>8.0f} {row['bandwidth_gb_s']:>10.1f} {100 * row['roofline_fraction']:>8.0f}%")

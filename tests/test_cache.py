@@ -20,7 +20,7 @@ from minillm.cache import (
     memory_budget,
     parameter_count,
 )
-from minillm.model.attention import attention_explicit, build_mask
+from minillm.model.attention import attention_explicit, build_mask, repeat_kv
 from minillm.model.config import ModelConfig
 
 TINY = ModelConfig(vocab_size=64, hidden_size=16, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=32,
@@ -210,7 +210,7 @@ def test_kv_bytes_formula_matches_the_allocated_tensors():
     cache = ContiguousKVCache(smollm, batch_size=2, max_len=100)
     assert cache.nbytes == memory_budget(smollm, 2, 100).kv_cache == 2 * 100 * 46080
     paged = PagedKVCache(smollm, num_blocks=10, block_size=16)
-    assert paged.nbytes == 10 * 16 * 46080
+    assert paged.nbytes == (10 + 1) * 16 * 46080  # 10 blocks to hand out + the scratch block padded rows write to
 
 
 def test_parameter_count_matches_real_models():
@@ -237,15 +237,68 @@ def test_packed_prefill_fills_the_same_blocks_as_one_by_one_prefills():
         step = one_by_one.prepare([s], lengths[s])
         step.update(0, k, k)
         step.advance(lengths[s])
-    batch = packed.prepare_prefill([0, 1, 2], lengths)
+    batch = packed.prepare([0, 1, 2], lengths)  # one step, three rows of different lengths
     flat = torch.cat(keys, dim=2)
-    batch.update(0, flat, flat)
+    batch.write(0, flat, flat)
     batch.advance(sum(lengths))
-    mask = batch.mask(None, sum(lengths))[0, 0]
-    assert mask[5, 5] and not mask[5, 4] and not mask[6, 0]  # sequence 1 sees only itself
-    assert batch.last_index.tolist() == [4, 5, 14]
+    assert batch.logits_index.tolist() == [4, 5, 14]  # each prompt's last token
+    assert batch.positions(sum(lengths)).tolist() == [[0, 1, 2, 3, 4, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8]]
     for s in range(3):
         assert one_by_one.lengths[s] == packed.lengths[s] == lengths[s]
         ours, _ = packed.prepare([s], 0).update(0, flat[:, :, :0], flat[:, :, :0])
         theirs, _ = one_by_one.prepare([s], 0).update(0, flat[:, :, :0], flat[:, :, :0])
         assert torch.equal(ours, theirs) and torch.equal(ours, keys[s])
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 30), min_size=1, max_size=4),
+    cached=st.lists(st.integers(0, 20), min_size=4, max_size=4),
+    block_size=st.integers(1, 9),
+    seed=st.integers(0, 2**16),
+)
+def test_paged_prefill_attention_equals_plain_causal_attention(lengths, cached, block_size, seed):
+    """Rows of new tokens, some continuing a cached sequence (a prefill chunk), attended in one
+    packed step: each row equals plain causal attention over its whole sequence (float64)."""
+    _check_paged_step_attention(lengths, cached, block_size, seed)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    cached=st.lists(st.integers(0, 70), min_size=1, max_size=5),
+    block_size=st.integers(1, 17),
+    seed=st.integers(0, 2**16),
+)
+def test_paged_decode_attention_reads_blocks_in_place_like_plain_attention(cached, block_size, seed):
+    """A decode step (one new token per row, rows of different lengths): the in-place read
+    through the block tables equals plain attention over each row's keys (float64)."""
+    _check_paged_step_attention([1] * len(cached), cached, block_size, seed)
+
+
+def _check_paged_step_attention(lengths, cached, block_size, seed):
+    g = torch.Generator().manual_seed(seed)
+    heads, kv_heads, head_dim = TINY.n_heads, TINY.n_kv_heads, TINY.head_dim
+    cached = cached[: len(lengths)]
+    cache = PagedKVCache(TINY, sum(math.ceil((c + n) / block_size) for c, n in zip(cached, lengths)), block_size,
+                         dtype=torch.float64)
+    keys = [torch.randn(1, kv_heads, c + n, head_dim, generator=g, dtype=torch.float64) for c, n in zip(cached, lengths)]
+    values = [torch.randn(1, kv_heads, c + n, head_dim, generator=g, dtype=torch.float64) for c, n in zip(cached, lengths)]
+    for s, c in enumerate(cached):
+        cache.add_sequence(s)
+        if c:
+            step = cache.prepare([s], c)
+            step.write(0, keys[s][:, :, :c], values[s][:, :, :c])
+            step.advance(c)
+    step = cache.prepare(list(range(len(lengths))), lengths)
+    new_k = torch.cat([k[:, :, c:] for k, c in zip(keys, cached)], dim=2)
+    new_v = torch.cat([v[:, :, c:] for v, c in zip(values, cached)], dim=2)
+    q = torch.randn(1, heads, sum(lengths), head_dim, generator=g, dtype=torch.float64)
+    out = step.attend(0, q, new_k, new_v)
+    start = 0
+    for s, (c, n) in enumerate(zip(cached, lengths)):
+        q_s = q[:, :, start : start + n]
+        k_s, v_s = repeat_kv(keys[s], heads // kv_heads), repeat_kv(values[s], heads // kv_heads)
+        scores = (q_s @ k_s.transpose(-1, -2) / math.sqrt(head_dim)).masked_fill(~build_mask(None, n, c + n, q.device), -math.inf)
+        expected = scores.softmax(-1) @ v_s  # all in float64 (attention_explicit's softmax is float32)
+        torch.testing.assert_close(out[:, :, start : start + n], expected, atol=1e-12, rtol=1e-12)
+        start += n

@@ -392,11 +392,31 @@ def test_params_normalise_and_flags():
     assert isinstance(params.temperature, float) and isinstance(params.top_p, float)
     assert params.do_sample and not params.is_greedy
     assert SamplingParams().is_greedy and not SamplingParams().do_sample
-    beams = SamplingParams(num_beams=4, temperature=0.7)
+    beams = SamplingParams(num_beams=4, n=4)
     assert not beams.do_sample and not beams.is_greedy
     with pytest.raises(AttributeError):
         params.temperature = 0.5  # frozen
     assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1
+
+
+@pytest.mark.parametrize("knob", [dict(temperature=0.7), dict(top_k=5), dict(top_p=0.9), dict(min_p=0.1)])
+def test_beam_search_refuses_sampling_knobs_it_would_ignore(knob):
+    name, value = next(iter(knob.items()))
+    with pytest.raises(ValueError, match=f"beam search is deterministic: {name}={value}"):
+        SamplingParams(num_beams=2, **knob)
+
+
+def test_beam_search_refuses_more_completions_than_beams():
+    with pytest.raises(ValueError, match="n=3 completions need at least as many beams, got num_beams=2"):
+        SamplingParams(num_beams=2, n=3)
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-300, 5e-324, 9.9e-6])
+def test_vanishing_temperatures_decode_greedily_instead_of_overflowing(temperature):
+    params = SamplingParams(temperature=temperature, seed=0)
+    assert params.is_greedy and not params.do_sample
+    logits = torch.tensor([[1.0, 3.0, 2.0, 3.0 - 1e-3]])
+    assert next_token(logits, torch.zeros(1, 0, dtype=torch.long), params).tolist() == [1]
 
 
 def test_processors_validate_their_arguments():

@@ -250,16 +250,16 @@ class PagedKVCache:
         write_blocks += [self.scratch_block] * n_pad
         write_offsets += [0] * n_pad
         context_lens = [s + n for s, n in zip(starts, q_lens)] + [1] * n_pad
-        ends = torch.tensor(q_lens + [1] * n_pad).cumsum(0)
-        device = self.device
+        ends = torch.tensor(q_lens + [1] * n_pad, dtype=torch.long).cumsum(0)
+        device, long = self.device, torch.long
         return PagedBatch(
             self.k,
             self.v,
-            positions=torch.tensor(positions, device=device),
-            write_blocks=torch.tensor(write_blocks, device=device),
-            write_offsets=torch.tensor(write_offsets, device=device),
-            block_tables=torch.tensor(padded_tables, device=device),
-            context_lens=torch.tensor(context_lens, device=device),
+            positions=torch.tensor(positions, device=device, dtype=long),
+            write_blocks=torch.tensor(write_blocks, device=device, dtype=long),
+            write_offsets=torch.tensor(write_offsets, device=device, dtype=long),
+            block_tables=torch.tensor(padded_tables, device=device, dtype=long),
+            context_lens=torch.tensor(context_lens, device=device, dtype=long),
             logits_index=(ends - 1).to(device),
             q_lens=None if all(n == 1 for n in q_lens) else q_lens + [1] * n_pad,
             manager=self.manager,

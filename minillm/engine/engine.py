@@ -47,6 +47,36 @@ from minillm.sampling import SamplingParams, SamplingState, make_generator, samp
 from minillm.tokenizer import Tokenizer
 
 Unit = Union[Request, BeamSearch]  # what the scheduler admits, runs and retires
+Prompt = Union[str, Sequence[int]]  # text, or token ids used as they are
+
+
+class TextStream:
+    """One completion's text deltas, as the engine produces them.
+
+    Abandoning it (``break``, ``close()``, ``del``, an exception in the loop) ends the request
+    at once and returns its KV blocks. Once it is exhausted, ``completion`` holds the result.
+    """
+
+    def __init__(self, request: Request, run: Iterator[tuple[Request, str]]) -> None:
+        self._request = request
+        self._run = run
+        self.completion: Completion | None = None
+
+    def __iter__(self) -> TextStream:
+        return self
+
+    def __next__(self) -> str:
+        for _, delta in self._run:
+            if delta:
+                return delta
+        self.completion = self._request.completion()
+        raise StopIteration
+
+    def close(self) -> None:
+        self._run.close()  # type: ignore[attr-defined]  # runs the scheduler's finally: blocks freed
+
+    def __del__(self) -> None:
+        self.close()
 
 
 class Engine:
@@ -93,11 +123,12 @@ class Engine:
 
     # ------------------------------------------------------------------ public API
     def generate(
-        self, prompts: Sequence[str], params: SamplingParams | Sequence[SamplingParams] | None = None
+        self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
     ) -> list[Completion]:
-        """Complete every prompt (``params.n`` completions each, in prompt order)."""
-        if isinstance(prompts, str):
-            prompts = [prompts]
+        """Complete every prompt (``params.n`` completions each, in prompt order). A prompt is a
+        string, or a list of token ids (a pre-tokenized prompt, used as it is)."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
         per_prompt = self._params_per_prompt(prompts, params)
         units: list[Unit] = []
         for prompt, ps in zip(prompts, per_prompt):
@@ -115,27 +146,20 @@ class Engine:
                 completions.append(unit.completion())
         return completions
 
-    def stream(self, prompt: str, params: SamplingParams | None = None) -> Iterator[str]:
-        """Yield the completion's text as it is generated (complete characters only)."""
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> TextStream:
+        """The completion's text as it is generated (complete characters only): iterate over
+        the returned ``TextStream``; its ``completion`` (token ids, finish reason) is set at the end."""
         params = params or SamplingParams()
         if params.num_beams > 1 or params.n > 1:
             raise ValueError("stream() serves one sampled completion: use num_beams=1 and n=1")
-        return self._stream(self._request(prompt, params, 0))  # checked now, run as it is read
-
-    def _stream(self, request: Request) -> Iterator[str]:
-        run = self._run([request])
-        try:
-            for _, delta in run:
-                if delta:
-                    yield delta
-        finally:  # abandoned (break, close(), del) or failed: the run frees its blocks now
-            run.close()
+        request = self._request(prompt, params, 0)  # checked now, run as it is read
+        return TextStream(request, self._run([request]))
 
     def chat(self, messages: Sequence[dict[str, str]], params: SamplingParams | None = None) -> Completion:
         """Answer a conversation: the chat template, then generation."""
         return self.generate([self._chat_prompt(messages)], params)[0]
 
-    def stream_chat(self, messages: Sequence[dict[str, str]], params: SamplingParams | None = None) -> Iterator[str]:
+    def stream_chat(self, messages: Sequence[dict[str, str]], params: SamplingParams | None = None) -> TextStream:
         return self.stream(self._chat_prompt(messages), params)
 
     def _chat_prompt(self, messages: Sequence[dict[str, str]]) -> str:
@@ -145,7 +169,7 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
     def _params_per_prompt(
-        self, prompts: Sequence[str], params: SamplingParams | Sequence[SamplingParams] | None
+        self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None
     ) -> list[SamplingParams]:
         if params is None or isinstance(params, SamplingParams):
             return [params or SamplingParams()] * len(prompts)
@@ -154,13 +178,20 @@ class Engine:
         return list(params)
 
     @staticmethod
-    def _unit_prompts(prompts: Sequence[str], per_prompt: list[SamplingParams]) -> list[str]:
+    def _unit_prompts(prompts: Sequence[Prompt], per_prompt: list[SamplingParams]) -> list[Prompt]:
         return [p for p, ps in zip(prompts, per_prompt) for _ in range(1 if ps.num_beams > 1 else ps.n)]
 
-    def _encode(self, prompt: str, params: SamplingParams) -> list[int]:
-        if not isinstance(prompt, str):
-            raise TypeError(f"prompts must be str, got {type(prompt).__name__}")
-        prompt_ids = self.tokenizer.encode(prompt)
+    def _encode(self, prompt: Prompt, params: SamplingParams) -> list[int]:
+        if isinstance(prompt, str):
+            prompt_ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            prompt_ids = list(prompt)
+            vocab = self.model.config.vocab_size
+            bad = [t for t in prompt_ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"token id {bad[0]} is outside the vocabulary (vocab_size {vocab})")
+        else:
+            raise TypeError(f"a prompt must be a str or a list of token ids, got {type(prompt).__name__}")
         if not prompt_ids:
             raise ValueError("the prompt is empty: it needs at least one token")
         context = self.model.config.max_position_embeddings
@@ -180,23 +211,23 @@ class Engine:
             )
         return prompt_ids
 
-    def _request(self, prompt: str, params: SamplingParams, index: int) -> Request:
+    def _request(self, prompt: Prompt, params: SamplingParams, index: int) -> Request:
         prompt_ids = self._encode(prompt, params)
         seed = None if params.seed is None else (params.seed + index) % 2**64  # completion i of n: its own stream
         generator = make_generator(seed, self.model.device)
         sampling = SamplingState(params, prompt_ids, self.model.config.vocab_size, generator, self.model.device)
-        request = Request(self._new_seq_id(), prompt, prompt_ids, params, self.tokenizer, self.eos_ids, sampling)
+        request = Request(self._new_seq_id(), _as_text(prompt, self.tokenizer), prompt_ids, params, self.tokenizer, self.eos_ids, sampling)
         if params.max_new_tokens == 0:
             request.finish_reason = "length"
         return request
 
-    def _beam_search(self, prompt: str, params: SamplingParams) -> BeamSearch:
+    def _beam_search(self, prompt: Prompt, params: SamplingParams) -> BeamSearch:
         return BeamSearch(self._encode(prompt, params), params, self.eos_ids, self._new_seq_id)
 
-    def _beam_completions(self, prompt: str, search: BeamSearch) -> list[Completion]:
+    def _beam_completions(self, prompt: Prompt, search: BeamSearch) -> list[Completion]:
         completions = []
         for token_ids in search.best(search.params.n) or [[]]:
-            request = Request(-1, prompt, search.prompt_ids, search.params, self.tokenizer, self.eos_ids)
+            request = Request(-1, _as_text(prompt, self.tokenizer), search.prompt_ids, search.params, self.tokenizer, self.eos_ids)
             for token in token_ids:
                 request.append(token)
                 if request.finished:
@@ -339,6 +370,10 @@ class Engine:
     def _new_seq_id(self) -> int:
         self._next_seq_id += 1
         return self._next_seq_id - 1
+
+
+def _as_text(prompt: Prompt, tokenizer: Tokenizer) -> str:
+    return prompt if isinstance(prompt, str) else tokenizer.decode(list(prompt))
 
 
 def _is_done(unit: Unit) -> bool:

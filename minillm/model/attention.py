@@ -145,8 +145,10 @@ def paged_decode_attention(
     key_pos = torch.arange(width * block_size, device=q.device).view(width, block_size)
     visible = key_pos[None] < context_lens[:, None, None]  # [rows, width, block_size]
     scores = scores.masked_fill(~visible[:, :, None, None, :], float("-inf"))
-    # softmax over all of a row's keys: they span two dims (block, offset in the block)
-    weights = torch.exp(scores.float() - scores.float().amax(dim=(1, 4), keepdim=True))
+    # softmax over all of a row's keys (they span two dims: block, offset in the block), in at
+    # least float32 whatever the cache's dtype
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
+    weights = torch.exp(scores - scores.amax(dim=(1, 4), keepdim=True))
     weights = (weights / weights.sum(dim=(1, 4), keepdim=True)).to(v.dtype)
     out = (weights[..., None] * v[:, :, :, None]).sum(dim=(1, 4))  # [rows, n_kv_heads, groups, head_dim]
     return out.reshape(rows, n_heads, head_dim)

@@ -1,0 +1,154 @@
+"""The engine under abandonment and failure: whatever ends a request early, its KV blocks come
+back and the engine keeps serving. A tiny random checkpoint keeps these fast (eager step)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import minillm
+from minillm import Engine, SamplingParams, load_model
+from minillm.engine import engine as engine_module
+
+from test_model_units import _tiny_hf_checkpoint, tiny_tokenizer  # noqa: F401  (a fixture)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, tiny_tokenizer):  # noqa: F811
+    folder = _tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny"), tiny_tokenizer, "llama", max_position_embeddings=512,
+                                 vocab_size=300)  # the tokenizer's size: every id the model emits decodes
+    return load_model(folder, device="cpu")
+
+
+def _engine(tiny, **kwargs) -> Engine:
+    model, tok = tiny
+    return Engine(model, tok, compile=False, **kwargs)
+
+
+def _all_free(engine: Engine) -> bool:
+    return engine.manager.allocator.num_free == engine.manager.allocator.num_blocks and not engine.manager.block_tables
+
+
+def test_engine_and_sampling_params_import_from_the_top_level():
+    assert minillm.Engine is Engine and minillm.SamplingParams is SamplingParams
+    from minillm.engine import Engine as SubpackageEngine
+    from minillm.sampling import SamplingParams as SubpackageParams
+
+    assert SubpackageEngine is Engine and SubpackageParams is SamplingParams
+
+
+def test_requests_that_finish_in_their_prefill_let_the_waiting_ones_in(tiny):
+    engine = _engine(tiny)  # max_batch_size 16: 17 requests cannot all be admitted at once
+    completions = engine.generate([f"p{i}" for i in range(17)], SamplingParams(max_new_tokens=1))
+    assert len(completions) == 17 and all(len(c.token_ids) == 1 for c in completions)
+    hundred = engine.generate(["Once upon a time"], SamplingParams(max_new_tokens=2, n=100, temperature=1.0, seed=0))
+    assert len(hundred) == 100 and all(len(c.token_ids) == 2 for c in hundred)
+    assert _all_free(engine)
+
+
+def test_a_request_larger_than_the_pool_is_refused_up_front_and_the_engine_keeps_serving(tiny):
+    engine = _engine(tiny, kv_cache_tokens=32)
+    with pytest.raises(ValueError, match=r"may need 4 KV blocks; the pool has 2 of 16 tokens"):
+        engine.generate([[1] * 20], SamplingParams(max_new_tokens=40))
+    assert _all_free(engine)
+    assert len(engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=5, ignore_eos=True))[0].token_ids) == 5
+    assert _all_free(engine)
+
+
+class Boom(Exception):
+    pass
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    prompts=st.lists(st.lists(st.integers(1, 299), min_size=1, max_size=40), min_size=1, max_size=6),
+    max_new=st.lists(st.integers(0, 30), min_size=6, max_size=6),
+    beams=st.lists(st.sampled_from([1, 1, 1, 2, 3]), min_size=6, max_size=6),
+    pool_tokens=st.integers(64, 512),
+    block_size=st.sampled_from([1, 4, 16]),
+    batch=st.integers(1, 5),
+    fail_at=st.integers(0, 40),
+    how=st.sampled_from(["decode", "sample", "interrupt", "consumer", "none"]),
+)
+def test_the_pool_is_back_where_it_started_after_any_failure(tiny, monkeypatch, prompts, max_new, beams,
+                                                             pool_tokens, block_size, batch, fail_at, how):
+    """Random request mixes on random pools, failing at a random step in a random place (the
+    model step, the sampler, Ctrl-C, the caller's loop): afterwards every block is free and the
+    same engine still serves a request."""
+    engine = _engine(tiny, kv_cache_tokens=pool_tokens, block_size=block_size, max_batch_size=batch)
+    params = [SamplingParams(max_new_tokens=n, num_beams=b, temperature=0.0 if b > 1 else 1.0, seed=i)
+              for i, (n, b) in enumerate(zip(max_new, beams))][: len(prompts)]
+    calls = {"n": 0}
+
+    def failing(real, error):
+        def wrapped(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] > fail_at:
+                raise error
+            return real(*args, **kwargs)
+        return wrapped
+
+    with monkeypatch.context() as patch:
+        if how == "decode":
+            patch.setattr(engine.runner, "decode", failing(engine.runner.decode, Boom()))
+        elif how == "sample":
+            patch.setattr(engine_module, "sample_batch", failing(engine_module.sample_batch, Boom()))
+        elif how == "interrupt":
+            patch.setattr(engine.runner, "decode", failing(engine.runner.decode, KeyboardInterrupt()))
+        try:
+            if how == "consumer":
+                for i, _ in enumerate(engine._run([engine._request(p, SamplingParams(max_new_tokens=30), 0)
+                                                   for p in prompts])):
+                    if i >= fail_at:
+                        raise Boom()
+            else:
+                engine.generate(prompts, params)
+        except (Boom, KeyboardInterrupt, ValueError):
+            pass  # ValueError: a request too large for this pool, refused before anything ran
+    assert _all_free(engine)
+    assert len(engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=3, ignore_eos=True))[0].token_ids) == 3
+    assert _all_free(engine)
+
+
+@pytest.mark.parametrize("abandon", ["break", "close", "del", "exception"])
+def test_an_abandoned_stream_frees_its_blocks_at_once(tiny, abandon):
+    engine = _engine(tiny)
+    stream = engine.stream([1, 2, 3], SamplingParams(max_new_tokens=50, ignore_eos=True, temperature=1.0, seed=1))
+    try:
+        for i, _ in enumerate(stream):
+            if i == 3:
+                if abandon == "exception":
+                    raise Boom()
+                break
+    except Boom:
+        pass
+    if abandon == "close":
+        stream.close()
+    if abandon == "del" or abandon == "exception":
+        del stream
+    elif abandon == "break":
+        stream = None  # the caller drops its last reference  # noqa: F841
+    assert _all_free(engine)
+    full = list(engine.stream([1, 2, 3], SamplingParams(max_new_tokens=8, ignore_eos=True)))
+    assert len(full) >= 1 and _all_free(engine)
+
+
+def test_beam_search_edge_cases(tiny):
+    engine = _engine(tiny)
+    assert engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=0, num_beams=2))[0].token_ids == []
+    two = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=6, num_beams=3, n=2))
+    assert len(two) == 2 and two[0].token_ids != two[1].token_ids
+    one = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=6, num_beams=3))[0]
+    assert one.token_ids == two[0].token_ids  # the best of n is the one beam search returns alone
+    assert _all_free(engine)
+
+
+def test_token_id_prompts_are_checked(tiny):
+    engine = _engine(tiny)
+    with pytest.raises(ValueError, match="token id 300 is outside the vocabulary"):
+        engine.generate([[1, 300]])
+    with pytest.raises(TypeError, match="a prompt must be a str or a list of token ids"):
+        engine.generate([[1.5]])
+    assert _all_free(engine)

@@ -1,0 +1,101 @@
+"""The model runner: the one-row Linear, the compiled decode step on the paged cache against
+the eager step and transformers, on tiny checkpoints and on the real model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minillm import Engine, SamplingParams, load_model
+from minillm.engine import runner as runner_module
+from minillm.model.layers import Linear
+
+from test_generate import NEW_TOKENS, prompt_ids, transformers_greedy  # noqa: F401  (fixtures)
+from test_model_units import _tiny_hf_checkpoint, tiny_tokenizer  # noqa: F401  (a fixture)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory, tiny_tokenizer):  # noqa: F811
+    folder = _tiny_hf_checkpoint(tmp_path_factory.mktemp("llama"), tiny_tokenizer, "llama",
+                                 tie_word_embeddings=False, max_position_embeddings=512)
+    return folder, *load_model(folder, device="cpu")
+
+
+# --------------------------------------------------------------------------- Linear
+def test_linear_one_row_compiled_equals_f_linear():
+    torch.manual_seed(0)
+    layer = Linear(96, 200, bias=True).requires_grad_(False)
+    x = torch.randn(1, 1, 96)
+    expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    assert torch.equal(layer(x), expected)  # eager: exactly F.linear
+    compiled = torch.compile(layer, fullgraph=True)
+    got = compiled(x)
+    assert got.shape == expected.shape
+    assert (got - expected).abs().max() < 1e-5  # the same sum, added up in another order
+    rows = torch.randn(3, 96)  # more than one row: F.linear, compiled or not
+    assert (compiled(rows) - torch.nn.functional.linear(rows, layer.weight, layer.bias)).abs().max() < 1e-5
+
+
+# --------------------------------------------------------------------------- tiny checkpoints
+def test_compiled_engine_equals_eager_engine_and_compiles_two_programs(tiny_llama):
+    """Mixed prompt lengths, batch sizes 1..4 and growing block tables: one program for a single
+    row and one for every other shape, never one per length."""
+    from torch._dynamo.utils import counters
+
+    _, model, tok = tiny_llama
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6], list(range(40, 90)), [7]]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (150, 90, 60, 30)]
+    eager = Engine(model, tok, compile=False, block_size=8).generate(prompts, params)
+    torch._dynamo.reset()
+    counters.clear()
+    engine = Engine(model, tok, compile=True, block_size=8)
+    compiled = engine.generate(prompts, params)
+    assert [c.token_ids for c in compiled] == [c.token_ids for c in eager]
+    assert engine.generate([prompts[0]], params[0])[0].token_ids == eager[0].token_ids  # batch 1
+    assert counters["stats"]["unique_graphs"] <= 2
+    assert set(engine.runner.compile_seconds) == {"rows=1", "rows>1"}
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])  # qwen2: q/k/v biases in the compiled Linear
+def test_compiled_engine_matches_transformers_on_tiny_checkpoints(tmp_path, tiny_tokenizer, model_type):  # noqa: F811
+    from minillm.reference import hf_causal_lm
+
+    folder = _tiny_hf_checkpoint(tmp_path, tiny_tokenizer, model_type, tie_word_embeddings=False)
+    model, tok = load_model(folder, device="cpu")
+    reference = hf_causal_lm(folder)
+    prompts = ["To be, or not to be", "The king", "Now is the winter of our discontent made glorious"]
+    ours = Engine(model, tok, compile=True).generate(prompts, SamplingParams(max_new_tokens=40, ignore_eos=True))
+    for prompt, completion in zip(prompts, ours):
+        x = torch.tensor([tok.encode(prompt)])
+        expected = reference.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=40,
+                                      min_new_tokens=40, do_sample=False, pad_token_id=0)
+        assert completion.token_ids == expected[0, x.shape[1]:].tolist()
+
+
+def test_no_compiler_falls_back_to_eager_and_says_so(monkeypatch, capsys, tiny_llama):
+    _, model, tok = tiny_llama
+    monkeypatch.setattr(runner_module.shutil, "which", lambda name: None)
+    engine = Engine(model, tok)
+    assert not engine.runner.compiled
+    assert "no C++ compiler found" in capsys.readouterr().err
+    assert len(engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=5, ignore_eos=True))[0].token_ids) == 5
+
+
+def test_bench_model_reads_a_checkpoint_folder_with_transformers(tiny_llama):
+    from minillm.bench import bench_model
+
+    folder, _, _ = tiny_llama
+    r = bench_model("cpu", "float32", new_tokens=8, prompt_tokens=16, repeats=1, source=folder, hf_compiled=False)
+    assert r["model"] == str(folder) and r["compiled"] and r["same_tokens_as_eager"]
+    assert min(r["decode_tok_s_minillm"], r["decode_tok_s_hf"], r["prefill_tok_s_hf"]) > 0
+
+
+# --------------------------------------------------------------------------- the real model
+def test_compiled_and_eager_engines_match_transformers_greedy_on_a_mixed_batch(smollm, prompt_ids,  # noqa: F811
+                                                                              transformers_greedy):  # noqa: F811
+    model, tok = smollm
+    params = SamplingParams(max_new_tokens=NEW_TOKENS)
+    for compile in (True, False):
+        completions = Engine(model, tok, compile=compile).generate(prompt_ids, params)
+        for completion, expected in zip(completions, transformers_greedy):
+            assert completion.token_ids[: len(expected)] == expected, f"compile={compile}"
