@@ -262,7 +262,7 @@ def _hf_static_compiled(reference: Any, prompt: list[int], new_tokens: int) -> C
 
 def bench_model(device: str | None = None, dtype: str = "float32", new_tokens: int = 128,
                 prompt_tokens: int = 256, repeats: int = 5, source: Path | None = None,
-                hf_compiled: bool = True) -> dict[str, Any]:
+                hf_compiled: bool = True, loaded: tuple[Any, Tokenizer] | None = None) -> dict[str, Any]:
     """Prefill and batch-1 decode tokens/s of the Engine and of transformers on the same weights,
     device and dtype, measured in one run; plus the device's bandwidth and the roofline fraction.
 
@@ -270,7 +270,8 @@ def bench_model(device: str | None = None, dtype: str = "float32", new_tokens: i
     SmolLM2-135M-Instruct's GGUF). The peers: transformers ``generate()`` eager, and (unless
     ``hf_compiled`` is False) ``generate()`` on its static cache with a compiled forward. The
     Engine's compile times are reported apart, not hidden; an eager Engine is timed too, to
-    show what compiling buys.
+    show what compiling buys. Pass ``loaded`` (the model and tokenizer ``source`` names, already
+    loaded) to reuse them, and the decode step already compiled for them.
     """
     import torch
 
@@ -280,7 +281,9 @@ def bench_model(device: str | None = None, dtype: str = "float32", new_tokens: i
     from minillm.sampling import SamplingParams
 
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    model, tok = load_model(source, device=device, dtype=torch_dtype)
+    model, tok = loaded or load_model(source, device=device, dtype=torch_dtype)
+    if model.dtype != torch_dtype:
+        raise ValueError(f"the loaded model is {model.dtype}, the benchmark was asked for {dtype}")
     dev = model.device
     reference = hf_causal_lm(source).to(device=dev, dtype=torch_dtype)
 

@@ -24,7 +24,7 @@ def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 
 def test_demo_streams_a_real_answer_and_reports_speed():
-    result = run_cli("demo", timeout=300)
+    result = run_cli("demo", timeout=900)  # a cold compile of the decode step takes minutes on 2 cores
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "validate(): all three checks ok" in out

@@ -146,7 +146,7 @@ def test_stop_filter_emits_exactly_the_text_before_the_first_stop(text, cuts, st
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "minillm", *args], capture_output=True, text=True, cwd=REPO, timeout=300)
+    return subprocess.run([sys.executable, "-m", "minillm", *args], capture_output=True, text=True, cwd=REPO, timeout=900)
 
 
 @pytest.mark.parametrize("flag, value, name", [
@@ -172,3 +172,12 @@ def test_cli_chat_flag_answers_the_question():
     result = _cli("generate", "--chat", "--prompt", "What is the capital of France?", "--max-new-tokens", "20")
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("The capital of France is Paris")
+
+
+@pytest.mark.parametrize("new_tokens", ["1", "2"])
+def test_cli_generate_n_100_returns_100_rows(new_tokens):
+    """Requests that finish in (or right after) their prefill while 84 others wait for a seat."""
+    result = _cli("generate", "--json", "--n", "100", "--max-new-tokens", new_tokens, "--prompt", "Once upon a time")
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(rows) == 100 and all(len(row["token_ids"]) == int(new_tokens) for row in rows)

@@ -80,7 +80,7 @@ def test_generation_stops_at_eos_and_frees_every_block(smollm):
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "minillm", *args], capture_output=True, text=True, cwd=REPO, timeout=300)
+    return subprocess.run([sys.executable, "-m", "minillm", *args], capture_output=True, text=True, cwd=REPO, timeout=900)
 
 
 def test_cli_generate_json_rows_in_prompt_order(prompt_ids, transformers_greedy):

@@ -16,8 +16,8 @@ from test_model_units import _tiny_hf_checkpoint, tiny_tokenizer  # noqa: F401  
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory, tiny_tokenizer):  # noqa: F811
-    folder = _tiny_hf_checkpoint(tmp_path_factory.mktemp("llama"), tiny_tokenizer, "llama",
-                                 tie_word_embeddings=False, max_position_embeddings=512)
+    folder = _tiny_hf_checkpoint(tmp_path_factory.mktemp("llama"), tiny_tokenizer, "llama", vocab_size=300,
+                                 tie_word_embeddings=False, max_position_embeddings=512)  # every id decodes
     return folder, *load_model(folder, device="cpu")
 
 
@@ -60,7 +60,7 @@ def test_compiled_engine_equals_eager_engine_and_compiles_two_programs(tiny_llam
 def test_compiled_engine_matches_transformers_on_tiny_checkpoints(tmp_path, tiny_tokenizer, model_type):  # noqa: F811
     from minillm.reference import hf_causal_lm
 
-    folder = _tiny_hf_checkpoint(tmp_path, tiny_tokenizer, model_type, tie_word_embeddings=False)
+    folder = _tiny_hf_checkpoint(tmp_path, tiny_tokenizer, model_type, tie_word_embeddings=False, vocab_size=300)
     model, tok = load_model(folder, device="cpu")
     reference = hf_causal_lm(folder)
     prompts = ["To be, or not to be", "The king", "Now is the winter of our discontent made glorious"]

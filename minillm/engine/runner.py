@@ -89,6 +89,7 @@ class ModelRunner:
                 print(f"minillm: {why}", file=sys.stderr)
         self.compiled = compile
         self.compile_seconds: dict[str, float] = {}  # first call of each compiled variant, in seconds
+        self.trace: list[tuple[str, int]] | None = None  # set to [] to record every step: (kind, rows)
         self._decode = decode_step
         if compile:
             mode = "reduce-overhead" if self.on_cuda else None  # CUDA graphs on a GPU
@@ -99,6 +100,8 @@ class ModelRunner:
         """Write the tokens of each sequence (already holding room for them) into the cache in one
         packed forward; return the logits at each one's last token, [len(seq_ids), vocab]."""
         lengths = [len(tokens) for tokens in token_lists]
+        if self.trace is not None:
+            self.trace.append(("prefill", len(seq_ids)))
         batch = self.cache.batch(seq_ids, lengths)
         flat = torch.tensor([[t for tokens in token_lists for t in tokens]], device=self.model.device)
         positions = batch.positions(flat.shape[1])
@@ -110,6 +113,8 @@ class ModelRunner:
         """One step for rows whose sequences already hold room for one more token: feed
         ``tokens[i]`` to ``seq_ids[i]``; return logits [len(seq_ids), vocab]."""
         rows = len(seq_ids)
+        if self.trace is not None:
+            self.trace.append(("decode", rows))
         pad_to = next(b for b in CUDA_ROW_BUCKETS + (rows,) if b >= rows) if self.on_cuda else None
         batch = self.cache.batch(seq_ids, [1] * rows, pad_rows_to=pad_to)
         if self.on_cuda:
