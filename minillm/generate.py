@@ -80,14 +80,8 @@ def greedy_contiguous(
 
 
 @torch.no_grad()
-def greedy_paged(
-    model: Transformer,
-    prompts: Sequence[Sequence[int]],
-    max_new_tokens: int,
-    eos_token_id: int | None = None,
-    block_size: int = 16,
-    num_blocks: int | None = None,
-) -> list[list[int]]:
+def greedy_paged(model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 eos_token_id: int | None = None, block_size: int = 16, num_blocks: int | None = None) -> list[list[int]]:
     """Each prompt prefilled alone into its own blocks, then all decoded together; a finished
     sequence hands its blocks back at once. No padding anywhere."""
     _check_request(prompts, max_new_tokens)
