@@ -41,6 +41,7 @@ bench: setup
 	$(PYTHON) -m minillm bench tokenizer
 	$(PYTHON) -m minillm bench cache
 	$(PYTHON) -m minillm bench batching
+	$(PYTHON) -m minillm bench context
 	$(PYTHON) -m minillm bench load
 
 clean:

@@ -521,8 +521,8 @@ def print_batching_report(r: dict[str, Any]) -> None:
           f"== transformers generate_batch {r['same_outputs_as_hf_generate_batch']}")
 
 
-def bench_context(contexts: tuple[int, ...] = (256, 512, 1024, 2048, 4096, 8192), batch_sizes: tuple[int, ...] = (1, 8),
-                  steps: int = 16) -> dict[str, Any]:
+def bench_context(contexts: tuple[int, ...] = (256, 512, 1024, 2048, 4096, 8000), batch_sizes: tuple[int, ...] = (1, 8),
+                  steps: int = 16, repeats: int = 3) -> dict[str, Any]:
     """Decode step time at batch 1 and 8 for growing contexts, against the roofline of the bytes
     a step must read: every weight once, plus every row's K and V of every layer.
 
@@ -537,13 +537,14 @@ def bench_context(contexts: tuple[int, ...] = (256, 512, 1024, 2048, 4096, 8192)
     from minillm.model import load_model
 
     model, tok = load_model(device="cpu")
-    contexts = tuple(c for c in contexts if c + steps <= model.config.max_position_embeddings)
+    grown = (repeats + 1) * steps + 2  # tokens each row gains while it is timed
+    contexts = tuple(c for c in contexts if c + grown <= model.config.max_position_embeddings)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     per_token = kv_bytes_per_token(model.config, model.dtype)
     read = bandwidth_reader(model.device)
     rows = []
     for batch in batch_sizes:
-        engine = Engine(model, tok, max_batch_size=batch, kv_cache_tokens=batch * (max(contexts) + steps + 16))
+        engine = Engine(model, tok, max_batch_size=batch, kv_cache_tokens=batch * (max(contexts) + grown + 32))
         for context in contexts:
             seq_ids = list(range(10_000, 10_000 + batch))
             for seq_id in seq_ids:  # fill the cache with `context` tokens per row, without a prefill
@@ -558,12 +559,12 @@ def bench_context(contexts: tuple[int, ...] = (256, 512, 1024, 2048, 4096, 8192)
                     engine.runner.decode(seq_ids, tokens)
 
             decode_steps(2)  # compile / warm up
-            best = interleaved_best({"step": lambda: decode_steps(), "bandwidth": read}, repeats=3)
+            best = interleaved_best({"step": lambda: decode_steps(), "bandwidth": read}, repeats)
             for seq_id in seq_ids:
                 engine.manager.free_sequence(seq_id)
             step_s = best["step"] / steps
             bandwidth = BANDWIDTH_BYTES / best["bandwidth"]
-            kv_bytes = batch * (context + steps / 2) * per_token
+            kv_bytes = batch * (context + grown / 2) * per_token  # the average context while timed
             rows.append({"batch": batch, "context": context, "step_ms": 1000 * step_s,
                          "tok_s": batch / step_s, "weight_bytes": weight_bytes, "kv_bytes": kv_bytes,
                          "bandwidth_gb_s": bandwidth / 1e9,
