@@ -90,11 +90,15 @@ def batch_decode(folder: Path, device: str, dtype: str, new_tokens: int, rows: i
     engine = Engine(model, tok, max_batch_size=rows)
     prompts = [tok.encode(p) for p in (PROMPTS * rows)[:rows]]
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    def sync() -> None:
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
     engine.generate(prompts, params)  # compile, record the graphs
-    torch.cuda.synchronize() if device.startswith("cuda") else None
+    sync()
     start = time.perf_counter()
     engine.generate(prompts, params)
-    torch.cuda.synchronize() if device.startswith("cuda") else None
+    sync()
     return {"rows": rows, "tok_s": rows * new_tokens / (time.perf_counter() - start)}
 
 

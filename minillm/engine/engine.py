@@ -38,7 +38,7 @@ from typing import Union
 
 import torch
 
-from minillm.cache import OutOfBlocksError, PagedKVCache
+from minillm.cache import BlockManager, OutOfBlocksError, PagedKVCache
 from minillm.engine.beam import BeamSearch
 from minillm.engine.request import Completion, Request
 from minillm.engine.runner import ModelRunner
@@ -118,7 +118,8 @@ class Engine:
         self.preemptions = 0  # requests sent back to the queue because the pool ran out
 
     @property
-    def manager(self):  # noqa: ANN201 - the BlockManager the scheduler asks
+    def manager(self) -> BlockManager:
+        """The pool's bookkeeping, which the scheduler asks whether work fits."""
         return self.cache.manager
 
     # ------------------------------------------------------------------ public API

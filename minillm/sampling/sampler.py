@@ -140,7 +140,8 @@ def sample_batch(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch
         # the rest of the chain (temperature and filters, sampling only); no history needed
         chain = build_processors(SamplingParams(temperature=params.temperature, top_k=params.top_k,
                                                 top_p=params.top_p, min_p=params.min_p))
-        group = apply_processors(chain, group[:, :0].long(), group)
+        no_history = torch.empty(len(rows), 0, dtype=torch.long, device=logits.device)  # none of them reads it
+        group = apply_processors(chain, no_history, group)
         if params.is_greedy:
             tokens[index] = group.argmax(dim=-1)
             continue
