@@ -16,10 +16,19 @@ from test_model_units import _tiny_hf_checkpoint, tiny_tokenizer  # noqa: F401  
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory, tiny_tokenizer):  # noqa: F811
-    folder = _tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny"), tiny_tokenizer, "llama", max_position_embeddings=512,
-                                 vocab_size=300)  # the tokenizer's size: every id the model emits decodes
-    return load_model(folder, device="cpu")
+def tiny_folder(tmp_path_factory, tiny_tokenizer):  # noqa: F811
+    return _tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny"), tiny_tokenizer, "llama", max_position_embeddings=512,
+                               vocab_size=300)  # the tokenizer's size: every id the model emits decodes
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_folder):
+    return load_model(tiny_folder, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def tiny64(tiny_folder):
+    return load_model(tiny_folder, device="cpu", dtype=torch.float64)  # batched == alone exactly, on any machine
 
 
 def _engine(tiny, **kwargs) -> Engine:
@@ -152,3 +161,96 @@ def test_token_id_prompts_are_checked(tiny):
     with pytest.raises(TypeError, match="a prompt must be a str or a list of token ids"):
         engine.generate([[1.5]])
     assert _all_free(engine)
+
+
+def test_requests_added_between_steps_join_the_running_batch_and_match_running_alone(tiny64):
+    model, tok = tiny64
+    engine = Engine(model, tok, compile=False, block_size=4)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    prompts = [[5, 6, 7], [9] * 11, [1, 2], [40, 41, 42, 43, 44]]
+    alone = [engine.generate([p], params)[0].token_ids for p in prompts]
+    engine.runner.trace = []
+    requests = [engine.add_request(prompts[0], params)]
+    for step in range(200):
+        if step in (2, 3, 7):  # arrivals while the first ones are decoding
+            requests.append(engine.add_request(prompts[len(requests)], params))
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+    assert [r.output_ids for r in requests] == alone
+    assert max(rows for kind, rows in engine.runner.trace if kind == "decode") == 4  # they ran together
+    assert all(r.finish_reason == "length" for r in requests) and _all_free(engine)
+
+
+def test_two_open_streams_share_one_batch(tiny64):
+    model, tok = tiny64
+    engine = Engine(model, tok, compile=False)
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    alone = [engine.generate([p], params)[0].text for p in ([3, 4, 5], [7, 8])]
+    a, b = engine.stream([3, 4, 5], params), engine.stream([7, 8], params)
+    engine.runner.trace = []
+    text_a, text_b = "", ""
+    for piece_a, piece_b in zip(a, b):
+        text_a, text_b = text_a + piece_a, text_b + piece_b
+    text_a += "".join(a)
+    text_b += "".join(b)
+    assert [text_a, text_b] == alone
+    assert ("decode", 2) in engine.runner.trace and _all_free(engine)
+
+
+def test_abort_ends_a_waiting_or_running_request_and_frees_its_blocks(tiny):
+    engine = _engine(tiny, max_batch_size=1)
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    first, second = engine.add_request([1, 2, 3], params), engine.add_request([4, 5], params)
+    engine.step()
+    assert len(first.output_ids) >= 1 and not second.output_ids  # one seat: the second waits
+    engine.abort(second)
+    engine.abort(first)
+    engine.abort(first)  # twice is harmless
+    assert (first.finish_reason, second.finish_reason) == ("abort", "abort")
+    assert not engine.has_unfinished_requests() and _all_free(engine)
+    assert engine.step() == []
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(st.one_of(
+    st.tuples(st.just("add"), st.lists(st.integers(1, 299), min_size=1, max_size=30), st.integers(0, 25)),
+    st.tuples(st.just("step")),
+    st.tuples(st.just("abort"), st.integers(0, 20)),
+), max_size=40), pool_tokens=st.integers(64, 256), batch=st.integers(1, 4))
+def test_random_arrivals_and_aborts_leave_the_pool_whole(tiny, ops, pool_tokens, batch):
+    """Requests added, stepped and aborted in any order: every request that is not aborted runs
+    to its full length, and once all are done every block is free."""
+    engine = _engine(tiny, kv_cache_tokens=pool_tokens, block_size=8, max_batch_size=batch)
+    requests, aborted = [], set()
+    for op in ops:
+        if op[0] == "add":
+            requests.append(engine.add_request(op[1], SamplingParams(max_new_tokens=op[2], ignore_eos=True)))
+        elif op[0] == "step":
+            engine.step()
+        elif requests:
+            victim = requests[op[1] % len(requests)]
+            if not victim.finished:
+                aborted.add(id(victim))
+            engine.abort(victim)
+    while engine.has_unfinished_requests():
+        engine.step()
+    for request in requests:
+        if id(request) not in aborted:
+            assert len(request.output_ids) == request.params.max_new_tokens
+    assert _all_free(engine)
+
+
+def test_a_failed_step_aborts_the_requests_it_was_running_and_keeps_the_queue(tiny, monkeypatch):
+    engine = _engine(tiny, max_batch_size=1)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    running, queued = engine.add_request([1, 2, 3], params), engine.add_request([4, 5], params)
+    engine.step()
+    with monkeypatch.context() as patch:
+        patch.setattr(engine.runner, "decode", lambda *args: (_ for _ in ()).throw(Boom()))
+        with pytest.raises(Boom):
+            engine.step()
+    assert running.finish_reason == "abort" and not queued.finished
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert len(queued.output_ids) == 6 and _all_free(engine)

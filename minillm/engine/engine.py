@@ -23,10 +23,15 @@ If a decode step finds the pool short, the most recently admitted request is *pr
 its blocks are freed and it goes back to the front of the queue, to be prefilled again
 (prompt + tokens so far) when room returns. Its output is unchanged, only recomputed.
 
-Whatever ends a run early — a stream abandoned with ``break`` or ``close()``, an exception in
-the caller's loop, Ctrl-C in the middle of a step — every sequence the run holds is freed on
-the way out (``try/finally``), so the pool is back where it started and the engine keeps
-serving.
+The scheduler's state lives in the engine (``waiting``, ``running``), and ``step()`` runs one
+iteration of it, so requests can arrive while others run: ``add_request`` queues one,
+``step()`` admits, decodes and retires, ``abort`` ends one at once. ``generate``, ``stream``
+and a server are loops over ``step()``; two open streams share the same running batch.
+
+Whatever ends a request early — a stream abandoned with ``break`` or ``close()``, an exception
+in the caller's loop, Ctrl-C or an error in the middle of a step — its sequences are freed on
+the way out (``abort``; a failed step aborts the requests it was running), so the pool is back
+where it started and the engine keeps serving.
 """
 
 from __future__ import annotations
@@ -53,27 +58,33 @@ Prompt = Union[str, Sequence[int]]  # text, or token ids used as they are
 class TextStream:
     """One completion's text deltas, as the engine produces them.
 
-    Abandoning it (``break``, ``close()``, ``del``, an exception in the loop) ends the request
-    at once and returns its KV blocks. Once it is exhausted, ``completion`` holds the result.
+    Each ``next()`` runs engine steps until this request has new text (other requests in the
+    running batch advance too). Abandoning it (``break``, ``close()``, ``del``, an exception in
+    the loop) aborts the request at once and returns its KV blocks. Once it is exhausted,
+    ``completion`` holds the result.
     """
 
-    def __init__(self, request: Request, run: Iterator[tuple[Request, str]]) -> None:
+    def __init__(self, engine: Engine, request: Request) -> None:
+        self._engine = engine
         self._request = request
-        self._run = run
+        self._sent = 0  # characters of request.text already handed out
         self.completion: Completion | None = None
 
     def __iter__(self) -> TextStream:
         return self
 
     def __next__(self) -> str:
-        for _, delta in self._run:
-            if delta:
-                return delta
-        self.completion = self._request.completion()
+        request = self._request
+        while len(request.text) == self._sent and not request.finished:
+            self._engine.step()
+        if len(request.text) > self._sent:
+            delta, self._sent = request.text[self._sent :], len(request.text)
+            return delta
+        self.completion = request.completion()
         raise StopIteration
 
     def close(self) -> None:
-        self._run.close()  # type: ignore[attr-defined]  # runs the scheduler's finally: blocks freed
+        self._engine.abort(self._request)  # a no-op once it has finished
 
     def __del__(self) -> None:
         self.close()
@@ -115,6 +126,8 @@ class Engine:
         default_eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
         self.eos_ids = frozenset(eos_ids if eos_ids is not None else default_eos)
         self._next_seq_id = 0
+        self.waiting: deque[Unit] = deque()  # queued, in arrival order (preempted ones go back to the front)
+        self.running: list[Unit] = []  # holding KV blocks, decoded every step
         self.preemptions = 0  # requests sent back to the queue because the pool ran out
 
     @property
@@ -153,8 +166,7 @@ class Engine:
         params = params or SamplingParams()
         if params.num_beams > 1 or params.n > 1:
             raise ValueError("stream() serves one sampled completion: use num_beams=1 and n=1")
-        request = self._request(prompt, params, 0)  # checked now, run as it is read
-        return TextStream(request, self._run([request]))
+        return TextStream(self, self.add_request(prompt, params))
 
     def chat(self, messages: Sequence[dict[str, str]], params: SamplingParams | None = None) -> Completion:
         """Answer a conversation: the chat template, then generation."""
@@ -162,6 +174,32 @@ class Engine:
 
     def stream_chat(self, messages: Sequence[dict[str, str]], params: SamplingParams | None = None) -> TextStream:
         return self.stream(self._chat_prompt(messages), params)
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> Request:
+        """Queue one completion (``n=1``, no beams) for the next ``step()`` to admit; its
+        ``output_ids``, ``text`` and ``finish_reason`` fill in as steps run."""
+        params = params or SamplingParams()
+        if params.num_beams > 1 or params.n > 1:
+            raise ValueError("add_request() queues one sampled completion: use num_beams=1 and n=1 "
+                             "(generate() serves beams and n > 1)")
+        request = self._request(prompt, params, 0)  # checked now: a bad prompt fails here
+        if not request.finished:
+            self.waiting.append(request)
+        return request
+
+    def abort(self, unit: Unit) -> None:
+        """End a request now (finish reason ``"abort"``) and return its KV blocks; a no-op once
+        it has finished."""
+        if _is_done(unit):
+            return
+        self._forget(unit)
+        if isinstance(unit, BeamSearch):
+            unit.done = True
+        else:
+            unit.finish_reason = "abort"
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
 
     def _chat_prompt(self, messages: Sequence[dict[str, str]]) -> str:
         prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -238,44 +276,67 @@ class Engine:
 
     # ------------------------------------------------------------------ the scheduler loop
     @torch.inference_mode()
-    def _run(self, units: Sequence[Unit]) -> Iterator[tuple[Request, str]]:
-        """Run requests to completion with continuous batching; yield (request, text delta)."""
-        waiting: deque[Unit] = deque(u for u in units if not _is_done(u))
-        running: list[Unit] = []
+    def step(self) -> list[tuple[Request, str]]:
+        """One iteration of the scheduler: admit and prefill what fits, decode every running row
+        once, retire what finished. Returns the (request, new text) pairs it produced.
+
+        If the step fails (an error in the model or the sampler, Ctrl-C), the requests it was
+        running are aborted and their blocks freed before the error propagates; waiting
+        requests stay queued and the engine keeps serving.
+        """
+        events: list[tuple[Request, str]] = []
         admitted: list[Unit] = []
         try:
-            while waiting or running:
-                admitted = self._admit(waiting, running)
-                if admitted:
-                    yield from self._prefill(admitted)
-                    running += [u for u in admitted if not self._retire_if_done(u)]
-                if not running:
-                    if waiting and not admitted:
-                        head = waiting[0]
-                        raise OutOfBlocksError(
-                            f"a {_prefill_len(head)}-token request does not fit in the free KV cache "
-                            f"({self.manager.allocator.num_free} of {self.manager.allocator.num_blocks} blocks "
-                            f"of {self.cache.block_size} tokens free)"
-                        )
-                    continue
-                self._reserve_or_preempt(running, waiting)
-                yield from self._decode(running)
-                running = [u for u in running if not self._retire_if_done(u)]
-        finally:  # however the run ends, its sequences give their blocks back
-            for unit in running + admitted + list(waiting):
-                self._free(unit)
+            admitted = self._admit()
+            if admitted:
+                events += self._prefill(admitted)
+                self.running += [u for u in admitted if not self._retire_if_done(u)]
+                admitted = []
+            elif not self.running and self.waiting:
+                head = self.waiting.popleft()
+                self.abort(head)
+                raise OutOfBlocksError(
+                    f"a {_prefill_len(head)}-token request does not fit in the free KV cache "
+                    f"({self.manager.allocator.num_free} of {self.manager.allocator.num_blocks} blocks "
+                    f"of {self.cache.block_size} tokens free)"
+                )
+            if self.running:
+                self._reserve_or_preempt()
+                events += self._decode()
+                self.running = [u for u in self.running if not self._retire_if_done(u)]
+        except BaseException:
+            for unit in admitted + self.running:
+                self.abort(unit)
+            raise
+        return events
 
-    def _admit(self, waiting: deque[Unit], running: list[Unit]) -> list[Unit]:
+    def _run(self, units: Sequence[Unit]) -> Iterator[tuple[Request, str]]:
+        """Queue ``units`` and step until all of them are done, yielding their (request, text
+        delta) pairs; however the loop ends (exhausted, abandoned, an error), they are aborted."""
+        mine = [u for u in units if not _is_done(u)]
+        ids = {id(u) for u in mine}
+        self.waiting.extend(mine)
+        try:
+            while not all(_is_done(u) for u in mine):
+                for request, delta in self.step():
+                    if id(request) in ids:
+                        yield request, delta
+        finally:
+            for unit in mine:
+                self.abort(unit)
+
+    def _admit(self) -> list[Unit]:
         """Pop waiting units while the batch has rows and the pool has blocks for their prompts,
         keeping one spare block per row so the next decode step does not force a preemption."""
+        waiting = self.waiting
         admitted: list[Unit] = []
-        rows = sum(_rows(u) for u in running)
+        rows = sum(_rows(u) for u in self.running)
         blocks = 0
         while waiting:
             unit = waiting[0]
             unit_rows = unit.params.num_beams if isinstance(unit, BeamSearch) else 1
             unit_blocks = self.manager.blocks_for_tokens(_prefill_len(unit))
-            if rows + unit_rows > self.max_batch_size and (running or admitted):
+            if rows + unit_rows > self.max_batch_size and (self.running or admitted):
                 break
             if blocks + unit_blocks + rows + unit_rows > self.manager.allocator.num_free:
                 break
@@ -285,7 +346,7 @@ class Engine:
             blocks += unit_blocks
         return admitted
 
-    def _prefill(self, units: list[Unit]) -> Iterator[tuple[Request, str]]:
+    def _prefill(self, units: list[Unit]) -> list[tuple[Request, str]]:
         """One packed forward over the admitted prompts fills their blocks; each new request
         then samples its first token (one batched sampler call) and each beam search takes its
         first step. A preempted request recomputes its prompt and the tokens it had generated
@@ -303,15 +364,16 @@ class Engine:
         self.manager.reserve(seq_ids, [len(t) for t in token_lists])
         logits = self.runner.prefill(seq_ids, token_lists)
         fresh = [(row, u) for row, u in enumerate(units) if isinstance(u, Request) and not u.output_ids]
-        yield from self._sample([u for _, u in fresh], logits[[row for row, _ in fresh]])  # type: ignore[misc]
+        events = self._sample([u for _, u in fresh], logits[[row for row, _ in fresh]])  # type: ignore[misc]
         for row, unit in enumerate(units):
             if isinstance(unit, BeamSearch):
                 unit.advance(logits[row : row + 1], self.manager)
+        return events
 
-    def _decode(self, running: list[Unit]) -> Iterator[tuple[Request, str]]:
+    def _decode(self) -> list[tuple[Request, str]]:
         """One compiled step for every running row; then sampling and the beams' bookkeeping."""
         seq_ids, tokens = [], []
-        for unit in running:
+        for unit in self.running:
             if isinstance(unit, BeamSearch):
                 seq_ids += unit.seq_ids
                 tokens += unit.last_tokens()
@@ -320,7 +382,7 @@ class Engine:
                 tokens.append(unit.output_ids[-1])
         logits = self.runner.decode(seq_ids, tokens)
         row, sampled, sampled_rows = 0, [], []
-        for unit in running:
+        for unit in self.running:
             if isinstance(unit, BeamSearch):
                 n_beams = len(unit.beams)
                 unit.advance(logits[row : row + n_beams], self.manager)
@@ -329,31 +391,33 @@ class Engine:
                 sampled.append(unit)
                 sampled_rows.append(row)
                 row += 1
-        yield from self._sample(sampled, logits[sampled_rows])
+        return self._sample(sampled, logits[sampled_rows])
 
-    def _sample(self, requests: list[Request], logits: torch.Tensor) -> Iterator[tuple[Request, str]]:
+    def _sample(self, requests: list[Request], logits: torch.Tensor) -> list[tuple[Request, str]]:
         if not requests:
-            return
+            return []
         tokens = sample_batch(logits, [r.sampling for r in requests]).tolist()  # the one host read per step
+        events = []
         for request, token in zip(requests, tokens):
             request.sampling.record(token)
-            yield request, request.append(token)
+            events.append((request, request.append(token)))
+        return events
 
-    def _reserve_or_preempt(self, running: list[Unit], waiting: deque[Unit]) -> None:
+    def _reserve_or_preempt(self) -> None:
         """Reserve one token for every running row, preempting the newest until it fits.
 
         Each step therefore decodes at least one request, so the engine always makes progress.
         """
         while True:
-            seq_ids = [s for unit in running for s in _seq_ids(unit)]
-            if self.manager.can_reserve(seq_ids, [1] * len(seq_ids)) or len(running) == 1:
+            seq_ids = [s for unit in self.running for s in _seq_ids(unit)]
+            if self.manager.can_reserve(seq_ids, [1] * len(seq_ids)) or len(self.running) == 1:
                 self.cache.copy_blocks(self.manager.reserve(seq_ids, [1] * len(seq_ids)))
                 return
-            victim = running.pop()  # the most recent arrival
+            victim = self.running.pop()  # the most recent arrival
             self._free(victim)
             if isinstance(victim, BeamSearch):
                 victim.restart()
-            waiting.appendleft(victim)
+            self.waiting.appendleft(victim)
             self.preemptions += 1
 
     def _retire_if_done(self, unit: Unit) -> bool:
@@ -361,6 +425,12 @@ class Engine:
             self._free(unit)
             return True
         return False
+
+    def _forget(self, unit: Unit) -> None:
+        """Take a unit out of the queue and the batch (by identity) and free its blocks."""
+        self.waiting = deque(u for u in self.waiting if u is not unit)
+        self.running = [u for u in self.running if u is not unit]
+        self._free(unit)
 
     def _free(self, unit: Unit) -> None:
         if isinstance(unit, BeamSearch):

@@ -26,7 +26,7 @@ class Completion:
     prompt: str
     text: str
     token_ids: list[int]
-    finish_reason: str  # "eos", "stop" or "length"
+    finish_reason: str  # "eos", "stop", "length", or "abort" (ended by the caller or a failed step)
 
 
 class StopStringFilter:
@@ -70,7 +70,7 @@ def _overlap(text: str, stop: str) -> int:
     return 0
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: the scheduler finds it by identity, not by value
 class Request:
     """A prompt being generated: the engine's unit of scheduling (one KV-cache sequence)."""
 
