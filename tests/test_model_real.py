@@ -7,6 +7,7 @@ import torch
 
 import minillm
 from minillm.generate import greedy_recompute
+from minillm.model.validate import check_core
 from minillm.reference import hf_gguf_model
 
 PROMPTS = [
@@ -105,6 +106,24 @@ def test_validate_passes_on_the_real_model(smollm):
     assert report.ok, str(report)
     assert [c.name for c in report.checks] == ["tokenizer", "core", "closed loop"]
     assert "' Paris'" in report.checks[-1].message
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_validates_tolerance_follows_the_dtype_and_still_catches_a_padding_bug(dtype, monkeypatch):
+    """bfloat16 rounding moves a padded row's logits by ~0.5% (far over a float32 tolerance); a
+    padding bug — here the pad tokens left unmasked — moves them by a large fraction."""
+    model, tok = minillm.load_model(device="cpu", dtype=dtype)
+    assert minillm.validate(model, tok).ok
+    real_encode_batch = tok.encode_batch
+
+    def pads_unmasked(*args, **kwargs):
+        batch = real_encode_batch(*args, **kwargs)
+        batch.attention_mask = torch.ones_like(batch.attention_mask)
+        return batch
+
+    monkeypatch.setattr(tok, "encode_batch", pads_unmasked)
+    core, _ = check_core(model, tok, ["Hello", "The capital of France is"])
+    assert not core.ok and "padding changes a row's last logits" in core.message
 
 
 def test_validate_points_at_the_core_when_a_weight_is_nan(smollm):

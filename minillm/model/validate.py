@@ -49,6 +49,21 @@ class Report:
         return "\n".join(str(check) for check in self.checks)
 
 
+def padding_tolerance(dtype: torch.dtype) -> float:
+    """How far (relative to the largest logit) a padded row's logits may drift from the same
+    prompt run alone, in ``dtype``.
+
+    Padding changes the shapes the kernels see, so the sums are accumulated in another order:
+    in exact arithmetic nothing changes, in floating point the last bits do. That noise scales
+    with the dtype's machine epsilon: float32 (eps 1.2e-7) drifts by ~1e-6 of the largest logit
+    on SmolLM2, bfloat16 (eps 7.8e-3, 8 bits of mantissa) by ~5e-3 — one bfloat16 step of a
+    logit near 25 is already 0.125. A fixed float32 tolerance would fail every bfloat16 model.
+    The bound is 8 epsilons (and never below 1e-3): a real masking or position bug moves the
+    logits by a large fraction of their scale, far above it in every dtype.
+    """
+    return max(1e-3, 8 * torch.finfo(dtype).eps)
+
+
 def tensor_stats(x: torch.Tensor) -> dict[str, float]:
     x = x.detach().float()
     return {"min": x.min().item(), "max": x.max().item(), "mean": x.mean().item(), "std": x.std().item()}
@@ -102,9 +117,12 @@ def check_core(model: Transformer, tokenizer: Tokenizer, prompts: list[str]) -> 
     padded_row = int(batch.attention_mask.sum(-1).argmin())  # the most padded row
     alone = model(torch.tensor([tokenizer.encode(prompts[padded_row])]))[0, -1]
     drift = (alone - logits[padded_row, -1]).abs().max().item()
-    if drift > 1e-3 * max(1.0, alone.abs().max().item()):
-        return Check("core", False, f"padding changes a row's last logits by {drift:.3g}", stats), logits
-    return Check("core", True, f"logits {list(logits.shape)}, finite; padded == alone (max diff {drift:.1e})", stats), logits
+    tolerance = padding_tolerance(model.dtype) * max(1.0, alone.abs().max().item())
+    if drift > tolerance:
+        return Check("core", False, f"padding changes a row's last logits by {drift:.3g} (tolerance {tolerance:.3g} "
+                     f"in {str(model.dtype).removeprefix('torch.')})", stats), logits
+    return Check("core", True, f"logits {list(logits.shape)}, finite; padded == alone (max diff {drift:.1e}, "
+                 f"tolerance {tolerance:.1e})", stats), logits
 
 
 def check_closed_loop(tokenizer: Tokenizer, prompt: str, last_logits: torch.Tensor) -> Check:
