@@ -38,8 +38,8 @@ def test_linear_one_row_compiled_equals_f_linear():
 
 # --------------------------------------------------------------------------- tiny checkpoints
 def test_compiled_engine_equals_eager_engine_and_compiles_two_programs(tiny_llama):
-    """Mixed prompt lengths, batch sizes 1..4 and growing block tables: one program for a single
-    row and one for every other shape, never one per length."""
+    """Mixed prompt lengths, batch sizes 1..4, growing block tables, three block sizes and pool
+    sizes: one program for a single row and one for every other shape, never one per size."""
     from torch._dynamo.utils import counters
 
     _, model, tok = tiny_llama
@@ -52,6 +52,11 @@ def test_compiled_engine_equals_eager_engine_and_compiles_two_programs(tiny_llam
     compiled = engine.generate(prompts, params)
     assert [c.token_ids for c in compiled] == [c.token_ids for c in eager]
     assert engine.generate([prompts[0]], params[0])[0].token_ids == eager[0].token_ids  # batch 1
+    for block_size, pool_tokens in ((16, 700), (5, 900)):  # other block and pool sizes: the same programs
+        other = Engine(model, tok, compile=True, block_size=block_size, kv_cache_tokens=pool_tokens)
+        other_eager = Engine(model, tok, compile=False, block_size=block_size, kv_cache_tokens=pool_tokens)
+        assert [c.token_ids for c in other.generate(prompts, params)] == \
+            [c.token_ids for c in other_eager.generate(prompts, params)]
     assert counters["stats"]["unique_graphs"] <= 2
     assert set(engine.runner.compile_seconds) == {"rows=1", "rows>1"}
 

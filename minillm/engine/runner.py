@@ -136,8 +136,10 @@ class ModelRunner:
                 for tensor in args[1:7]:
                     torch._dynamo.mark_dynamic(tensor, 0)
             torch._dynamo.mark_dynamic(batch.block_tables, 1)
-            for pool in self.cache.k + self.cache.v:  # any pool size: engines of one model share the program
+            for pool in self.cache.k + self.cache.v:  # any pool and block size: engines of one model share it
                 torch._dynamo.mark_dynamic(pool, 0)
+                if pool.shape[2] > 1:  # block_size 1 is its own program (size-1 dimensions specialize)
+                    torch._dynamo.mark_dynamic(pool, 2)
         variant = "rows=1" if rows == 1 else "rows>1"
         start = time.perf_counter()
         logits = self._decode(*args)[:rows]
