@@ -4,6 +4,12 @@ Encoding runs in three steps: special-token strings (``<|im_start|>``) are cut o
 map straight to their ids; the rest is pre-tokenized into chunks; each chunk's UTF-8 bytes are
 merged pair by pair, always taking the merge that was *learned earliest* (lowest rank), until
 no learned pair is left. Decoding concatenates the bytes of each id and decodes them as UTF-8.
+
+The merging is the part that must stay fast on hostile text. Rescanning a chunk for its best
+pair after every merge costs O(n) per merge, O(n^2) per chunk: harmless on words, but 100 KB
+of letters without a space is one chunk, and took about a minute. ``_bpe`` keeps a heap of
+candidate pairs over a linked list of symbols instead (as HF ``tokenizers`` does), so a chunk
+of n bytes costs O(n log n).
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import unicodedata
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from heapq import heapify, heappop, heappush
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,8 +33,12 @@ if TYPE_CHECKING:
 
 Pair = tuple[int, int]
 
-# Distinct chunks kept in the encode cache before it is emptied (bounds memory on huge inputs).
-_CACHE_LIMIT = 500_000
+# The encode cache maps a chunk to its ids. Natural text repeats a few thousand chunks, so the
+# cache makes encoding fast; hostile text (long random runs) repeats nothing, and caching it only
+# holds memory. So chunks longer than this many characters are never cached (HF tokenizers uses
+# the same limit), and the cache is emptied whenever its estimated size passes the budget.
+_CACHE_MAX_CHUNK = 256
+_CACHE_BUDGET_BYTES = 32 << 20
 
 
 @dataclass
@@ -123,6 +134,7 @@ class Tokenizer:
         self.eos_id = self._role_id("eos_token", eos_token)
         self.pad_id = self._role_id("pad_token", pad_token)
         self._cache: dict[str, list[int]] = {}
+        self._cache_bytes = 0
 
     def _role_id(self, role: str, token: str | None) -> int | None:
         if token is None:
@@ -174,27 +186,76 @@ class Tokenizer:
         if self.nfc:
             text = unicodedata.normalize("NFC", text)
         cache = self._cache
-        if len(cache) > _CACHE_LIMIT:
-            cache.clear()
         for chunk in self.pretokenizer.split(text):
             ids = cache.get(chunk)
             if ids is None:
                 ids = self._bpe(chunk.encode("utf-8"))
-                cache[chunk] = ids
+                if len(chunk) <= _CACHE_MAX_CHUNK:
+                    self._remember(chunk, ids)
             out.extend(ids)
 
+    def _remember(self, chunk: str, ids: list[int]) -> None:
+        """Cache ``ids`` for ``chunk``, emptying the cache first if it would pass its byte budget.
+
+        The size is an estimate (a dict slot, a str of up to 4 bytes a character, a list of
+        8-byte pointers), close enough to keep the cache within a small multiple of the budget.
+        """
+        cost = 200 + 4 * len(chunk) + 8 * len(ids)
+        if self._cache_bytes + cost > _CACHE_BUDGET_BYTES:
+            self._cache.clear()
+            self._cache_bytes = 0
+        self._cache[chunk] = ids
+        self._cache_bytes += cost
+
     def _bpe(self, data: bytes) -> list[int]:
-        """Merge the bytes of one chunk: repeatedly apply the lowest-rank learned pair."""
+        """Merge the bytes of one chunk: repeatedly apply the lowest-rank learned pair.
+
+        Symbols live in a doubly linked list over ``ids`` (``nxt``/``prv`` hold neighbour
+        positions; a symbol merged into its left neighbour gets id -1). The heap holds one entry
+        per candidate pair, packed into one int ``rank * n + pos`` so that it orders by rank,
+        then leftmost position, exactly the order in which HF ``tokenizers`` applies merges.
+        Entries are never removed when a merge invalidates them: a popped entry whose pair is
+        no longer at ``pos`` is skipped (lazy deletion). Every merge pushes at most two new
+        entries, so a chunk of n bytes costs O(n log n).
+        """
         byte_ids = self._byte_ids
-        ids = [byte_ids[b] for b in data if byte_ids[b] is not None]
+        ids = [i for i in map(byte_ids.__getitem__, data) if i is not None]
+        n = len(ids)
+        if n < 2:
+            return ids
         table = self._merge_table
-        not_learned = (len(table), -1)
-        while len(ids) >= 2:
-            rank, merged = min(table.get(pair, not_learned) for pair in zip(ids, ids[1:]))
-            if merged < 0:
-                break
-            ids = _merge(ids, self.merges[rank], merged)
-        return ids
+        heap = []
+        for pos in range(n - 1):
+            entry = table.get((ids[pos], ids[pos + 1]))
+            if entry is not None:
+                heap.append(entry[0] * n + pos)
+        heapify(heap)
+        nxt = list(range(1, n + 1))  # n: no right neighbour
+        prv = list(range(-1, n - 1))  # -1: no left neighbour
+        while heap:
+            rank, pos = divmod(heappop(heap), n)
+            left, right_pos = ids[pos], nxt[pos]
+            if left < 0 or right_pos == n:
+                continue  # stale: this symbol was merged away, or has no right neighbour now
+            entry = table.get((left, ids[right_pos]))
+            if entry is None or entry[0] != rank:
+                continue  # stale: the pair at pos changed since this entry was pushed
+            merged = entry[1]
+            ids[pos] = merged
+            ids[right_pos] = -1
+            after = nxt[right_pos]
+            nxt[pos] = after
+            if after < n:
+                prv[after] = pos
+                entry = table.get((merged, ids[after]))
+                if entry is not None:
+                    heappush(heap, entry[0] * n + pos)
+            before = prv[pos]
+            if before >= 0:
+                entry = table.get((ids[before], merged))
+                if entry is not None:
+                    heappush(heap, entry[0] * n + before)
+        return [i for i in ids if i >= 0]
 
     # ----------------------------------------------------------------------------- decoding
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
@@ -305,22 +366,6 @@ def pad_batch(rows: Sequence[Sequence[int]], pad_id: int, padding_side: str = "l
         attention_mask[r, span] = 1
         position_ids[r, span] = torch.arange(len(row))
     return BatchEncoding(input_ids, attention_mask, position_ids)
-
-
-def _merge(ids: list[int], pair: Pair, merged: int) -> list[int]:
-    """Replace every non-overlapping occurrence of ``pair`` (left to right) by ``merged``."""
-    a, b = pair
-    out: list[int] = []
-    i = 0
-    n = len(ids)
-    while i < n:
-        if i + 1 < n and ids[i] == a and ids[i + 1] == b:
-            out.append(merged)
-            i += 2
-        else:
-            out.append(ids[i])
-            i += 1
-    return out
 
 
 def _as_id_list(ids: Any) -> list[int]:
