@@ -128,3 +128,60 @@ def test_cache_stays_within_its_byte_budget_and_the_estimate_is_honest(trained, 
         tracemalloc.stop()
     assert 0 < len(tok._cache) < len(words)  # it was emptied at least once
     assert held < 2 * bpe._CACHE_BUDGET_BYTES
+
+
+# --------------------------------------------------------------------------- 5. raw exceptions
+@settings(max_examples=100, deadline=None)
+@given(st.text(max_size=30), st.text(max_size=30), st.sampled_from(["\ud800", "\udbff", "\udc00", "\udfff"]))
+def test_lone_surrogate_is_a_value_error_naming_its_position(gpt2, gpt2_hf, before, after, surrogate):
+    """A lone surrogate has no UTF-8 bytes. HF refuses the str (TypeError from its binding); we
+    raise a ValueError that says where it is, wherever it sits (next to specials or not)."""
+    text = before + surrogate + after
+    position = text.index(surrogate)  # ``before`` is valid text, so this is the first one
+    with pytest.raises(ValueError, match=rf"text\[{position}\] is a lone surrogate U\+{ord(surrogate):04X}"):
+        gpt2.encode(text)
+    with pytest.raises(ValueError, match=r"lone surrogate"):
+        gpt2.encode(text, parse_special=False)
+    with pytest.raises(TypeError):
+        gpt2_hf.encode(text)
+
+
+def test_surrogate_pairs_spelled_as_one_character_still_encode(gpt2, gpt2_hf):
+    text = "crab \U0001f980 ok"
+    assert gpt2.encode(text) == hf_ids(gpt2_hf, text)
+
+
+def _id_containers(ids):
+    import numpy as np
+    import torch
+
+    return {
+        "list": list(ids),
+        "tuple": tuple(ids),
+        "numpy int64 array": np.array(ids, dtype=np.int64),
+        "numpy int32 array": np.array(ids, dtype=np.int32),
+        "numpy uint16 array": np.array(ids, dtype=np.uint16),
+        "list of numpy ints": [np.int64(i) for i in ids],
+        "torch tensor": torch.tensor(ids),
+        "torch int32 tensor": torch.tensor(ids, dtype=torch.int32),
+        "list of 0-d tensors": [torch.tensor(i) for i in ids],
+    }
+
+
+@pytest.mark.parametrize("kind", list(_id_containers([1])))
+def test_decode_accepts_numpy_and_torch_integers(smol, kind):
+    ids = smol.encode("Hello world, <|im_end|> done")
+    ids_in_kind = _id_containers(ids)[kind]
+    assert smol.decode(ids_in_kind) == smol.decode(ids)
+    assert smol.decode(ids_in_kind, skip_special_tokens=True) == smol.decode(ids, skip_special_tokens=True)
+    detok = smol.streaming_decoder()
+    assert "".join(detok.push(i) for i in ids_in_kind) + detok.flush() == smol.decode(ids)
+
+
+def test_decode_refuses_non_integer_arrays_with_a_type_error(smol):
+    import numpy as np
+    import torch
+
+    for bad in (np.array([1.0, 2.0]), torch.tensor([1.0]), [np.float32(3)], [torch.tensor(1.5)], [np.bool_(True)]):
+        with pytest.raises(TypeError, match=r"int ids"):
+            smol.decode(bad)

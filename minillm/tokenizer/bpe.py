@@ -14,6 +14,7 @@ of n bytes costs O(n log n).
 
 from __future__ import annotations
 
+import operator
 import unicodedata
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -159,11 +160,14 @@ class Tokenizer:
         if add_special_tokens and self.add_bos and self.bos_id is not None:
             ids.append(self.bos_id)
         pieces = self._split_special(text) if parse_special else [(text, None)]
-        for piece, special_id in pieces:
-            if special_id is None:
-                self._encode_ordinary(piece, ids)
-            else:
-                ids.append(special_id)
+        try:
+            for piece, special_id in pieces:
+                if special_id is None:
+                    self._encode_ordinary(piece, ids)
+                else:
+                    ids.append(special_id)
+        except UnicodeEncodeError:
+            raise _lone_surrogate_error(text) from None
         if add_special_tokens and self.add_eos and self.eos_id is not None:
             ids.append(self.eos_id)
         return ids
@@ -369,12 +373,31 @@ def pad_batch(rows: Sequence[Sequence[int]], pad_id: int, padding_side: str = "l
 
 
 def _as_id_list(ids: Any) -> list[int]:
+    """``ids`` as a list of Python ints: a list or tuple of ints, numpy integers or 0-d integer
+    tensors, or a numpy array / torch tensor of integers (what a sampler hands back)."""
     if hasattr(ids, "tolist"):  # a torch tensor or numpy array
         ids = ids.tolist()
     if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
         raise TypeError(f"decode() expects a sequence of int ids, got {type(ids).__name__}")
-    ids = list(ids)
+    out = []
     for i in ids:
-        if not isinstance(i, int) or isinstance(i, bool):
-            raise TypeError(f"decode() expects int ids, got {i!r} ({type(i).__name__})")
-    return ids
+        try:  # operator.index accepts exactly the integer types (numpy.int64, an int tensor), not 1.0
+            if isinstance(i, bool):
+                raise TypeError
+            out.append(operator.index(i))
+        except TypeError:
+            raise TypeError(f"decode() expects int ids, got {i!r} ({type(i).__name__})") from None
+    return out
+
+
+def _lone_surrogate_error(text: str) -> ValueError:
+    """The error for text holding a lone surrogate (U+D800..U+DFFF), which has no UTF-8 bytes.
+
+    Python strings can hold one (from ``errors="surrogateescape"``, or a JSON ``"\\ud800"``
+    escape without its pair); HF ``tokenizers`` refuses such a str with a TypeError.
+    """
+    pos = next(i for i, char in enumerate(text) if "\ud800" <= char <= "\udfff")
+    return ValueError(
+        f"encode(): text[{pos}] is a lone surrogate U+{ord(text[pos]):04X}, which has no UTF-8 encoding "
+        f"(the text has {len(text)} characters)"
+    )
