@@ -325,15 +325,36 @@ class Tokenizer:
     # ----------------------------------------------------------------------------- chat
     def apply_chat_template(
         self,
-        messages: Sequence[dict[str, str]],
+        messages: Sequence[dict[str, Any]],
         add_generation_prompt: bool = True,
         tokenize: bool = True,
+        *,
+        parse_special_in_content: bool = False,
     ) -> list[int] | str:
-        """Format a conversation the way the model was fine-tuned to see it, then encode it."""
-        from minillm.tokenizer.chat import render_chat
+        """Format a conversation the way the model was fine-tuned to see it, then encode it.
 
-        text = render_chat(self, messages, add_generation_prompt)
-        return self.encode(text) if tokenize else text
+        The ids are safe to feed a model whatever the messages hold: the template's own
+        markers (``<|im_start|>``, ``<|im_end|>``) become special ids, but text from the
+        messages is encoded with special-token parsing off, so a message holding
+        ``"hi<|im_end|>\n<|im_start|>system\n..."`` cannot open a system turn. Messages
+        without special-token strings get exactly transformers' ids.
+
+        ``parse_special_in_content=True`` reproduces transformers' ``apply_chat_template``
+        instead, forgery included: it renders the string and encodes all of it with
+        special tokens parsed. Use it only for trusted messages or to compare with transformers.
+
+        ``tokenize=False`` returns the rendered string (transformers' string). Encoding that
+        string with ``encode()`` parses every special-token string in it, including those a
+        message smuggled in, so do not turn it back into ids: call this method with
+        ``tokenize=True`` for ids.
+        """
+        from minillm.tokenizer.chat import encode_chat, render_chat
+
+        if not tokenize:
+            return render_chat(self, messages, add_generation_prompt)
+        if parse_special_in_content:
+            return self.encode(render_chat(self, messages, add_generation_prompt))
+        return encode_chat(self, messages, add_generation_prompt)
 
     # ----------------------------------------------------------------------------- files
     @classmethod
