@@ -10,17 +10,25 @@ timing test is a ratio against HF measured in the same run).
 
 from __future__ import annotations
 
+import copy
+import json
+import os
 import random
 import string
+import threading
 import time
 import tracemalloc
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizer_cases import hf_ids, smol_safe_char
+from tokenizers import Tokenizer as HFTokenizer
 
+from minillm import FileFormatError, Tokenizer
 from minillm.tokenizer import bpe
+from minillm.tokenizer.bytes_unicode import bytes_to_unicode
 
 
 def random_letters(n: int, seed: int = 0, alphabet: str = string.ascii_lowercase) -> str:
@@ -349,3 +357,389 @@ def test_rendering_restores_the_previous_trace_function(trained):
         assert sys.gettrace() is tracer
     finally:
         sys.settrace(previous)
+
+
+# --------------------------------------------------------------------------- files: helpers
+@pytest.fixture(scope="module")
+def trained_spec(trained, tmp_path_factory) -> dict:
+    """The small trained tokenizer as a tokenizer.json dict, to break one field at a time."""
+    folder = tmp_path_factory.mktemp("spec")
+    trained.save(folder)
+    return json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+
+
+def write_spec(folder, spec, **changes) -> Path:
+    spec = copy.deepcopy(spec)
+    for key, value in changes.items():
+        target = spec
+        *parents, last = key.split("__")
+        for parent in parents:
+            target = target[parent]
+        target[last] = value
+    path = folder / "tokenizer.json"
+    path.write_text(json.dumps(spec), encoding="utf-8")
+    return path
+
+
+def added(content: str, token_id: int, **flags) -> dict:
+    entry = {"id": token_id, "content": content, "single_word": False, "lstrip": False, "rstrip": False}
+    return {**entry, "normalized": False, "special": True, **flags}
+
+
+def refuses(path, *fragments):
+    """Loading ``path`` is a FileFormatError whose message names the file and every fragment."""
+    with pytest.raises(FileFormatError) as err:
+        Tokenizer.from_file(path)
+    message = str(err.value)
+    for fragment in [str(path), *fragments]:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+    return message
+
+
+# --------------------------------------------------------------------------- 3. unbounded allocations
+def test_added_token_with_a_huge_id_is_refused_before_allocating(tmp_path, trained_spec):
+    """One added token with id 10**8 once asked for a 791 MB id table from a small file."""
+    n_vocab = len(trained_spec["model"]["vocab"])
+    path = write_spec(tmp_path, trained_spec, added_tokens=[added("<big>", 10**8)])
+    tracemalloc.start()
+    try:
+        refuses(path, "added_tokens[0]", "'<big>'", str(10**8), f"id {n_vocab}", f"{n_vocab} vocabulary entries")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 50 << 20
+
+
+@settings(max_examples=30, deadline=None)
+@given(offset=st.integers(-300, 10**9))
+def test_added_token_ids_load_exactly_when_hf_would_give_the_same_id(tmp_path_factory, trained_spec, offset):
+    """HF numbers added tokens itself (vocabulary id if present, else the next after the
+    vocabulary). The file's id must agree, so every accepted id is bounded and HF-identical."""
+    n_vocab = len(trained_spec["model"]["vocab"])
+    token_id = n_vocab + offset
+    if token_id < 0:
+        return
+    folder = tmp_path_factory.mktemp("added")
+    path = write_spec(folder, trained_spec, added_tokens=[added("<x>", token_id)])
+    if token_id == n_vocab:
+        tok = Tokenizer.from_file(path)
+        hf = HFTokenizer.from_file(str(path))
+        assert tok.encode("a<x>b") == hf_ids(hf, "a<x>b") and len(tok) == n_vocab + 1
+    else:
+        refuses(path, "added_tokens[0]", str(token_id), f"id {n_vocab}")
+
+
+def test_vocabulary_id_beyond_the_vocabulary_is_refused(tmp_path, trained_spec):
+    vocab = dict(trained_spec["model"]["vocab"])
+    vocab["zz"] = 10**8
+    path = write_spec(tmp_path, trained_spec, model__vocab=vocab, added_tokens=[])
+    refuses(path, "model.vocab", "'zz'", str(10**8), f"{len(vocab)} entries")
+
+
+def test_encoder_json_id_beyond_the_vocabulary_is_refused(tmp_path):
+    (tmp_path / "encoder.json").write_text(json.dumps({"a": 0, "b": 1, "ab": 10**8}))
+    (tmp_path / "vocab.bpe").write_text("#version: 0.2\na b\n")
+    with pytest.raises(FileFormatError, match=rf"encoder\.json.*'ab'.*{10**8}.*3 entries"):
+        Tokenizer.from_file(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "vocab, special",
+    [({0: b"a", 10**8: b"b"}, {}), ({0: b"a"}, {"<x>": 10**8})],
+    ids=["vocabulary-id", "special-id"],
+)
+def test_constructor_refuses_ids_beyond_the_number_of_tokens(vocab, special):
+    with pytest.raises(ValueError, match=rf"{10**8}.*not below 2"):
+        Tokenizer(vocab, [], special)
+
+
+# --------------------------------------------------------------------------- 4. inconsistent files
+def split_spec(spec, pattern, **split_options):
+    step = {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False, **split_options}
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
+    return {**spec, "pre_tokenizer": {"type": "Sequence", "pretokenizers": [step, byte_level]}}
+
+
+def test_split_regex_that_misses_text_keeps_it_like_hf(tmp_path, trained_spec):
+    """'hello, world 42!' with a letters-only Split: HF keeps ', ' and ' 42!' as pieces."""
+    path = write_spec(tmp_path, split_spec(trained_spec, r"\p{L}+"))
+    tok, hf = Tokenizer.from_file(path), HFTokenizer.from_file(str(path))
+    text = "hello, world 42!"
+    assert tok.pretokenizer.split(text) == ["hello", ", ", "world", " 42!"]
+    assert tok.encode(text) == hf_ids(hf, text)
+    assert tok.decode(tok.encode(text)) == text
+
+
+PARTIAL_PATTERNS = [r"\p{L}+", r"[a-z]+", r"\d", r"\s+", r" ?\p{L}+|\p{N}", r"o"]
+
+
+@settings(max_examples=120, deadline=None)
+@given(pattern=st.sampled_from(PARTIAL_PATTERNS), text=st.text(max_size=40) | st.sampled_from(["hello, world 42!"]))
+def test_split_regexes_that_cover_part_of_the_text_give_hf_ids(tmp_path_factory, trained_spec, pattern, text):
+    path = write_spec(tmp_path_factory.mktemp("split"), split_spec(trained_spec, pattern))
+    tok, hf = Tokenizer.from_file(path), HFTokenizer.from_file(str(path))
+    assert "".join(tok.pretokenizer.split(text)) == text
+    assert tok.encode(text) == hf_ids(hf, text)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"behavior": "Removed"}, {"behavior": "MergedWithPrevious"}, {"behavior": "Contiguous"}, {"invert": True}],
+    ids=["removed", "merged-with-previous", "contiguous", "inverted"],
+)
+def test_unsupported_split_behaviour_is_refused_naming_it(tmp_path, trained_spec, options):
+    path = write_spec(tmp_path, split_spec(trained_spec, r"\p{L}+", **options))
+    refuses(path, "pre_tokenizer.pretokenizers[0]", "behavior=", "Isolated")
+
+
+INCONSISTENT_ADDED = {
+    "empty content": ([added("", 9999)], ["added_tokens[0]", "empty content"]),
+    "reuses a vocabulary id": ([added("<x>", 97)], ["added_tokens[0]", "'<x>'", "has id 97"]),
+    "repeated content": ([added("<x>", "N"), added("<x>", "N+1")], ["added_tokens[1]", "repeats added_tokens[0]"]),
+    "two contents, one id": ([added("<x>", "N"), added("<y>", "N")], ["added_tokens[1]", "'<y>'"]),
+    "rstrip": ([added("<x>", "N", rstrip=True)], ["added_tokens[0]", "rstrip=true"]),
+    "lstrip": ([added("<x>", "N", lstrip=True)], ["added_tokens[0]", "lstrip=true"]),
+    "single_word": ([added("<x>", "N", single_word=True)], ["added_tokens[0]", "single_word=true"]),
+    "id not an int": ([added("<x>", "0")], ["added_tokens[0]", "int 'id'"]),
+}
+
+
+@pytest.mark.parametrize("entries, fragments", INCONSISTENT_ADDED.values(), ids=INCONSISTENT_ADDED.keys())
+def test_inconsistent_added_tokens_are_refused(tmp_path, trained_spec, entries, fragments):
+    n = len(trained_spec["model"]["vocab"])
+    entries = [{**e, "id": {"N": n, "N+1": n + 1}.get(e["id"], e["id"])} for e in entries]
+    refuses(write_spec(tmp_path, trained_spec, added_tokens=entries), *fragments)
+
+
+def test_hf_gives_a_new_id_to_an_added_token_that_reuses_a_vocabulary_id(tmp_path, trained_spec):
+    """Why reusing a vocabulary id is refused: HF ignores the file's id (so ids would differ
+    from HF's), and honouring it would make decode() of the vocabulary token print '<x>'."""
+    path = write_spec(tmp_path, trained_spec, added_tokens=[added("<x>", 97)])
+    hf = HFTokenizer.from_file(str(path))
+    assert hf.token_to_id("<x>") == len(trained_spec["model"]["vocab"])
+    assert hf.decode([97]) == "a"
+
+
+def test_duplicate_keys_in_the_vocabulary_are_refused(tmp_path, trained_spec):
+    """json keeps the last of two equal keys, so one of the two ids would vanish."""
+    text = json.dumps(trained_spec).replace('"vocab": {', '"vocab": {"a": 5, ', 1)
+    path = tmp_path / "tokenizer.json"
+    path.write_text(text, encoding="utf-8")
+    refuses(path, "'a'", "twice")
+
+
+def test_duplicate_merge_is_refused(tmp_path, trained_spec):
+    merges = trained_spec["model"]["merges"]
+    path = write_spec(tmp_path, trained_spec, model__merges=[*merges, merges[0]])
+    refuses(path, f"merge #{len(merges)}", "repeats merge #0")
+
+
+@pytest.mark.parametrize(
+    "option, value",
+    [("continuing_subword_prefix", "##"), ("end_of_word_suffix", "</w>"), ("dropout", 0.1)],
+)
+def test_unsupported_bpe_options_are_refused(tmp_path, trained_spec, option, value):
+    refuses(write_spec(tmp_path, trained_spec, **{f"model__{option}": value}), f"model.{option}")
+
+
+def test_unk_token_with_missing_bytes_is_refused(tmp_path, trained_spec):
+    """HF would emit unk_token for a byte the vocabulary lacks; minillm drops such bytes."""
+    chars = [bytes_to_unicode()[b] for b in range(1, 256)] + ["<unk>"]  # no token for byte 0x00
+    model = {**trained_spec["model"], "vocab": {c: i for i, c in enumerate(chars)}, "merges": [], "unk_token": "<unk>"}
+    path = write_spec(tmp_path, {**trained_spec, "model": model, "added_tokens": []})
+    refuses(path, "model.unk_token='<unk>'", "1 bytes missing", "0x00")
+
+
+def test_ignore_merges_uses_whole_tokens_like_hf(tmp_path, trained_spec):
+    """Llama 3's option: a chunk that is itself a token is that token, merges or not."""
+    vocab = dict(trained_spec["model"]["vocab"])
+    shifted = {t: i + 1 if i >= 256 else i for t, i in vocab.items()}  # make room for "xyz" at 256
+    shifted["xyz"] = 256
+    merges = trained_spec["model"]["merges"]
+    added_tokens = [{**e, "id": e["id"] + 1} for e in trained_spec["added_tokens"]]
+    for ignore in (False, True):
+        folder = tmp_path / str(ignore)
+        folder.mkdir()
+        path = write_spec(
+            folder, trained_spec, model__vocab=shifted, model__merges=merges, model__ignore_merges=ignore, added_tokens=added_tokens
+        )
+        tok, hf = Tokenizer.from_file(path), HFTokenizer.from_file(str(path))
+        for text in ("xyz", " xyz", "xyz xyz abc", "the xyzzy"):
+            assert tok.encode(text) == hf_ids(hf, text)
+        assert (tok.encode("xyz") == [256]) is ignore
+
+
+def _gguf(path, tokens, types=None, merges=("a b",), **ids):
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    if types is not None:
+        writer.add_token_types(types)
+    writer.add_token_merges(list(merges))
+    for key, value in ids.items():
+        writer.add_uint32(f"tokenizer.ggml.{key}_token_id", value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+GGUF_TOKENS = [bytes_to_unicode()[b] for b in range(256)] + ["ab", "<|end|>"]
+
+
+def test_gguf_baseline_loads(tmp_path):
+    tok = Tokenizer.from_file(_gguf(tmp_path / "ok.gguf", GGUF_TOKENS, [1] * 257 + [3], eos=257))
+    assert tok.encode("ab<|end|>") == [256, 257] and tok.eos_id == 257
+
+
+def test_gguf_repeated_token_is_refused_with_both_indices(tmp_path):
+    path = _gguf(tmp_path / "dup.gguf", [*GGUF_TOKENS, "ab"])
+    refuses(path, "tokenizer.ggml.tokens[258]", "'ab'", "tokenizer.ggml.tokens[256]")
+
+
+@pytest.mark.parametrize("n_types", [257, 259, 1], ids=["one-short", "one-long", "one-entry"])
+def test_gguf_token_type_of_another_length_is_refused_naming_both(tmp_path, n_types):
+    path = _gguf(tmp_path / "types.gguf", GGUF_TOKENS, [1] * n_types)
+    refuses(path, "tokenizer.ggml.token_type", f"{n_types} entries", f"has {len(GGUF_TOKENS)}")
+
+
+def test_gguf_role_id_out_of_range_is_refused(tmp_path):
+    path = _gguf(tmp_path / "role.gguf", GGUF_TOKENS, [1] * 257 + [3], eos=10**6)
+    refuses(path, "tokenizer.ggml.eos_token_id", str(10**6), f"{len(GGUF_TOKENS)} tokens")
+
+
+def test_gguf_repeated_merge_is_refused(tmp_path):
+    refuses(_gguf(tmp_path / "merges.gguf", GGUF_TOKENS, merges=["a b", "a b"]), "merge #1", "repeats merge #0")
+
+
+def test_chat_template_list_uses_the_default_one(tmp_path, trained_spec):
+    path = write_spec(tmp_path, trained_spec)
+    templates = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": templates}))
+    assert Tokenizer.from_file(path).chat_template == "D"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": 42}))
+    refuses(tmp_path / "tokenizer_config.json", "chat_template")
+
+
+# --------------------------------------------------------------------------- 5. raw exceptions from files
+@pytest.mark.parametrize("pattern", ["(", "[a-", "*a", "\\"], ids=["open-paren", "open-class", "nothing-to-repeat", "backslash"])
+def test_invalid_split_regex_is_a_file_format_error_naming_the_field(tmp_path, trained_spec, pattern):
+    path = write_spec(tmp_path, split_spec(trained_spec, pattern))
+    refuses(path, "pre_tokenizer.pretokenizers[0].pattern.Regex", "does not compile")
+
+
+MALFORMED_FIELDS = {
+    "Split pattern that is a str": {"pre_tokenizer": {"type": "Split", "pattern": "Regex", "behavior": "Isolated"}},
+    "Split regex that is a number": {"pre_tokenizer": {"type": "Split", "pattern": {"Regex": 5}, "behavior": "Isolated"}},
+    "pretokenizers that is a number": {"pre_tokenizer": {"type": "Sequence", "pretokenizers": 5}},
+    "merge pair of lists": {"model__merges": [[["a"], "b"]]},
+    "merge of numbers": {"model__merges": [[1, 2]]},
+    "added token not an object": {"added_tokens": ["<x>"]},
+}
+
+
+@pytest.mark.parametrize("changes", MALFORMED_FIELDS.values(), ids=MALFORMED_FIELDS.keys())
+def test_malformed_fields_are_file_format_errors(tmp_path, trained_spec, changes):
+    refuses(write_spec(tmp_path, trained_spec, **changes))
+
+
+@pytest.mark.parametrize(
+    "config",
+    [{"bos_token": {"content": ["x"]}}, {"eos_token": 5}, {"pad_token": {"content": None}}],
+    ids=["role-content-list", "role-int", "role-content-None"],
+)
+def test_malformed_roles_in_the_config_are_ignored_like_absent_ones(tmp_path, trained_spec, config):
+    path = write_spec(tmp_path, trained_spec)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = Tokenizer.from_file(path)
+    assert (tok.bos_id, tok.eos_id, tok.pad_id) == (None, None, None)
+
+
+def test_post_processor_junk_is_ignored(tmp_path, trained_spec):
+    junk = {"type": "TemplateProcessing", "single": ["x", {"SpecialToken": "nope"}, {"SpecialToken": {"id": 3}}]}
+    assert Tokenizer.from_file(write_spec(tmp_path, trained_spec, post_processor=junk)).add_bos is False
+
+
+def test_deeply_nested_json_is_a_file_format_error(tmp_path):
+    path = tmp_path / "tokenizer.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    refuses(path, "nested")
+
+
+# --------------------------------------------------------------------------- 6. catastrophic regexes
+CATASTROPHIC = r"(a|a)+$"
+
+
+def test_catastrophic_split_regex_fails_fast_with_the_pattern_named(tmp_path, trained_spec):
+    """(a|a)+$ on 'aaa...ab' backtracks 2^n ways: encode() stops at the timeout and says why."""
+    path = write_spec(tmp_path, split_spec(trained_spec, CATASTROPHIC))
+    tok = Tokenizer.from_file(path)
+    assert tok.decode(tok.encode("aaa")) == "aaa"  # text it does not backtrack on is fine
+    with pytest.raises(ValueError, match=r"\(a\|a\)\+\$.*took over .* on 41 characters"):
+        tok.encode("a" * 40 + "b")
+
+
+def test_the_regex_timeout_covers_all_the_pieces_together():
+    """With individual digits every digit splits the text; the deadline is for the whole split."""
+    from minillm.tokenizer import PreTokenizer
+
+    pre = PreTokenizer(CATASTROPHIC, individual_digits=True)
+    with pytest.raises(ValueError, match=r"took over"):
+        pre.split("1".join(["a" * 30 + "b"] * 20))
+
+
+def test_direct_pretokenizer_with_a_bad_pattern_is_a_value_error():
+    from minillm.tokenizer import PreTokenizer
+
+    with pytest.raises(ValueError, match=r"does not compile"):
+        PreTokenizer("(")
+
+
+# --------------------------------------------------------------------------- 7. files that are not files
+def _load_in_thread(path):
+    """from_file in a daemon thread: if it blocks (a FIFO opened for reading), the test fails
+    instead of hanging."""
+    outcome = {}
+
+    def run():
+        try:
+            outcome["value"] = Tokenizer.from_file(path)
+        except BaseException as err:  # noqa: BLE001 (handed back to the test)
+            outcome["error"] = err
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout=10)
+    assert not thread.is_alive(), f"Tokenizer.from_file({path}) blocked"
+    return outcome
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+@pytest.mark.parametrize("name", ["tokenizer.json", "model.gguf", "folder/tokenizer.json", "folder/encoder.json"])
+def test_fifo_is_refused_without_opening_it(tmp_path, name):
+    path = tmp_path / name
+    path.parent.mkdir(exist_ok=True)
+    os.mkfifo(path)
+    if name == "folder/encoder.json":
+        (path.parent / "vocab.bpe").write_text("#version: 0.2\n")
+    outcome = _load_in_thread(path.parent if name.startswith("folder") else path)
+    assert isinstance(outcome.get("error"), FileFormatError), outcome
+    assert str(path) in str(outcome["error"]) and "not a regular file" in str(outcome["error"])
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_fifo_config_beside_a_good_tokenizer_json_is_refused(tmp_path, trained_spec):
+    path = write_spec(tmp_path, trained_spec)
+    os.mkfifo(tmp_path / "tokenizer_config.json")
+    outcome = _load_in_thread(path)
+    assert isinstance(outcome.get("error"), FileFormatError) and "tokenizer_config.json" in str(outcome["error"])
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/zero"), reason="needs /dev/zero")
+def test_a_device_is_refused():
+    """/dev/zero never ends: reading it would fill memory."""
+    outcome = _load_in_thread("/dev/zero")
+    assert isinstance(outcome.get("error"), FileFormatError) and "not a regular file" in str(outcome["error"])

@@ -71,6 +71,13 @@ class Tokenizer:
         add_bos, add_eos: whether ``encode(..., add_special_tokens=True)`` adds them.
         chat_template: a Jinja template for ``apply_chat_template`` (ChatML when absent).
         nfc: normalize text to Unicode NFC before encoding (Qwen2 does).
+        ignore_merges: a chunk that is itself in the vocabulary becomes that one token without
+            merging (Llama 3 sets this: some of its tokens are not reachable by its merges).
+
+    Ids must be consistent: every id below ``len(vocab) + len(special_tokens)`` (the id table
+    is a list, so a lone id of 10**8 would cost 800 MB), no two tokens with the same bytes or
+    the same id, no merge listed twice, and a special token may share an id only with the
+    vocabulary entry that spells the same token.
     """
 
     def __init__(
@@ -87,10 +94,12 @@ class Tokenizer:
         add_eos: bool = False,
         chat_template: str | None = None,
         nfc: bool = False,
+        ignore_merges: bool = False,
     ) -> None:
         for i in [*vocab, *(special_tokens or {}).values()]:
             if not isinstance(i, int) or isinstance(i, bool) or i < 0:
                 raise ValueError(f"token ids must be non-negative ints, got {i!r}")
+        _check_ids(vocab, special_tokens or {})
         self.vocab = dict(vocab)
         self.merges = list(merges)
         self.special_tokens = dict(special_tokens or {})
@@ -99,8 +108,9 @@ class Tokenizer:
         self.nfc = nfc
         self.add_bos = add_bos
         self.add_eos = add_eos
+        self.ignore_merges = ignore_merges
 
-        bytes_to_id = {data: i for i, data in self.vocab.items()}
+        self._bytes_to_id = bytes_to_id = {data: i for i, data in self.vocab.items()}
         # A vocabulary may lack a few bytes (SmolLM2 has no token for 21 of them, e.g. 0x04):
         # like HF tokenizers without an unk token, encode() then drops those bytes.
         self._byte_ids: list[int | None] = [bytes_to_id.get(bytes([b])) for b in range(256)]
@@ -117,7 +127,12 @@ class Tokenizer:
                     f"merge #{rank} {bytes_to_token(self.vocab[a])!r} + {bytes_to_token(self.vocab[b])!r} "
                     "produces a token that is not in the vocabulary"
                 )
-            self._merge_table.setdefault((a, b), (rank, merged))
+            if (a, b) in self._merge_table:  # HF would keep the last rank, llama.cpp the first
+                raise ValueError(
+                    f"merge #{rank} {bytes_to_token(self.vocab[a])!r} + {bytes_to_token(self.vocab[b])!r} "
+                    f"repeats merge #{self._merge_table[(a, b)][0]}"
+                )
+            self._merge_table[(a, b)] = (rank, merged)
 
         self.vocab_size = 1 + max([*self.vocab, *self.special_tokens.values()])
         self._id_to_bytes: list[bytes | None] = [None] * self.vocab_size
@@ -221,7 +236,12 @@ class Tokenizer:
         Entries are never removed when a merge invalidates them: a popped entry whose pair is
         no longer at ``pos`` is skipped (lazy deletion). Every merge pushes at most two new
         entries, so a chunk of n bytes costs O(n log n).
+
+        With ``ignore_merges``, a chunk that is a token as a whole is that token (HF checks this
+        before merging too).
         """
+        if self.ignore_merges and (whole := self._bytes_to_id.get(data)) is not None:
+            return [whole]
         byte_ids = self._byte_ids
         ids = [i for i in map(byte_ids.__getitem__, data) if i is not None]
         n = len(ids)
@@ -391,6 +411,40 @@ def pad_batch(rows: Sequence[Sequence[int]], pad_id: int, padding_side: str = "l
         attention_mask[r, span] = 1
         position_ids[r, span] = torch.arange(len(row))
     return BatchEncoding(input_ids, attention_mask, position_ids)
+
+
+def _check_ids(vocab: dict[int, bytes], special_tokens: dict[str, int]) -> None:
+    """Refuse ids that are out of bounds or that two tokens claim (see ``Tokenizer``)."""
+    limit = len(vocab) + len(special_tokens)
+    if limit == 0:
+        raise ValueError("a tokenizer needs at least one token")
+    for i, data in vocab.items():
+        if i >= limit:
+            raise ValueError(
+                f"vocabulary id {i} ({bytes_to_token(data)!r}) is not below {limit}, the number of tokens "
+                f"({len(vocab)} in the vocabulary + {len(special_tokens)} special)"
+            )
+    seen_bytes: dict[bytes, int] = {}
+    for i, data in vocab.items():
+        if data in seen_bytes:
+            raise ValueError(f"vocabulary ids {seen_bytes[data]} and {i} both stand for {bytes_to_token(data)!r}")
+        seen_bytes[data] = i
+    owner: dict[int, str] = {}
+    for content, i in special_tokens.items():
+        if not isinstance(content, str) or not content:
+            raise ValueError(f"special token {content!r} (id {i}) must be a non-empty str: an empty one matches everywhere")
+        if i >= limit:
+            raise ValueError(
+                f"special token {content!r} has id {i}, which is not below {limit}, the number of tokens "
+                f"({len(vocab)} in the vocabulary + {len(special_tokens)} special)"
+            )
+        if i in owner:
+            raise ValueError(f"special tokens {owner[i]!r} and {content!r} share id {i}")
+        owner[i] = content
+        if i in vocab and content.encode("utf-8") != vocab[i] and bytes_to_token(vocab[i]) != content:
+            raise ValueError(
+                f"special token {content!r} has id {i}, which the vocabulary gives to {bytes_to_token(vocab[i])!r}"
+            )
 
 
 def _as_id_list(ids: Any) -> list[int]:
