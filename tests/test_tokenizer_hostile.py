@@ -217,8 +217,8 @@ def strip_specials(tok, messages):
     """The same conversation with every special-token string removed from the message text."""
 
     def clean(text):
-        while (shorter := tok._special_regex.sub("", text)) != text:  # "<|im_<|im_end|>end|>" needs two passes
-            text = shorter
+        while (shorter := "".join(piece for piece, i in tok._split_special(text) if i is None)) != text:
+            text = shorter  # "<|im_<|im_end|>end|>" needs two passes
         return text
 
     return [{"role": clean(m["role"]), "content": clean(m["content"])} for m in messages]
@@ -743,3 +743,70 @@ def test_a_device_is_refused():
     """/dev/zero never ends: reading it would fill memory."""
     outcome = _load_in_thread("/dev/zero")
     assert isinstance(outcome.get("error"), FileFormatError) and "not a regular file" in str(outcome["error"])
+
+
+# --------------------------------------------------------------------------- special tokens at scale
+special_strings = st.lists(st.text(alphabet="<|ab>", min_size=1, max_size=6), min_size=1, max_size=12, unique=True)
+
+
+@settings(max_examples=60, deadline=None)
+@given(specials=special_strings, text=st.text(alphabet="<|ab> c", max_size=60))
+def test_overlapping_special_tokens_split_like_hf(tmp_path_factory, trained_spec, specials, text):
+    """Leftmost, then longest, never overlapping: HF's rule, on special sets full of shared
+    prefixes and suffixes. (Tokens that are whole vocabulary entries keep their vocabulary id.)"""
+    vocab = trained_spec["model"]["vocab"]
+    entries, next_id = [], len(vocab)
+    for content in specials:
+        entries.append(added(content, vocab.get(content, next_id)))
+        next_id += content not in vocab
+    path = write_spec(tmp_path_factory.mktemp("specials"), trained_spec, added_tokens=entries)
+    tok, hf = Tokenizer.from_file(path), HFTokenizer.from_file(str(path))
+    assert tok.encode(text) == hf_ids(hf, text)
+
+
+def test_ten_thousand_special_tokens_load_and_encode_like_hf(tmp_path, trained_spec):
+    """Emu3 ships 32 768 added tokens. One regex of all of them took seconds per 100 KB; the
+    scan tries only positions holding a '<', one lookup per token length."""
+    n = len(trained_spec["model"]["vocab"])
+    entries = [added(f"<|visual token {k:06d}|>", n + k) for k in range(10_000)]
+    path = write_spec(tmp_path, trained_spec, added_tokens=entries)
+    tok, hf = Tokenizer.from_file(path), HFTokenizer.from_file(str(path))
+    text = "".join(f"see <|visual token {k * 37 % 10_000:06d}|> and <b>{k}</b> " for k in range(3000))
+    assert tok.encode(text) == hf_ids(hf, text)
+
+
+def test_pathological_special_tokens_fail_fast_and_clearly(trained):
+    """A thousand special tokens '<x', '<<x', ... and a text of '<': every position would try
+    every length; the deadline turns that into an error."""
+    specials = {"<" * k + "x": len(trained.vocab) + k - 1 for k in range(1, 1000)}
+    tok = Tokenizer(trained.vocab, trained.merges, specials)
+    with pytest.raises(ValueError, match=r"999 special tokens \(999 different lengths\) in 20000 characters"):
+        tok.encode("<" * 20_000)
+
+
+# --------------------------------------------------------------------------- regexes that explode when compiled
+@pytest.mark.parametrize(
+    "pattern, atoms",
+    [("(?:(?:(?:a{100}){100}){100}){100}", 101_010_100), ("(?:a{65535}){65535}", 65536 * 65535), ("a{4294967294}", 4294967294)],
+    ids=["nested-repeats", "two-big-repeats", "one-huge-repeat"],
+)
+def test_split_regex_that_unrolls_to_gigabytes_is_refused_before_compiling(tmp_path, trained_spec, pattern, atoms):
+    """regex.compile unrolls minimum repeat counts: these 12-34 character patterns ask for
+    gigabytes (the first one got this test process killed before the check existed)."""
+    path = write_spec(tmp_path, split_spec(trained_spec, pattern))
+    tracemalloc.start()
+    try:
+        refuses(path, "pre_tokenizer.pretokenizers[0].pattern.Regex", "repeats too much", f"about {atoms} atoms")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 50 << 20
+
+
+def test_the_unrolled_size_of_real_patterns_is_small():
+    from minillm.tokenizer.pretokenize import _MAX_UNROLLED_ATOMS, GGUF_PRE_PATTERNS, _unrolled_atoms
+
+    assert all(_unrolled_atoms(pattern) < 100 for pattern in GGUF_PRE_PATTERNS.values())
+    assert _unrolled_atoms(r"\p{N}{1,3}") == 1 and _unrolled_atoms(r"(?:ab){3}") == 9  # "?:" counts as a literal
+    assert _unrolled_atoms(r"[a{99}]\{99\}") < 10  # braces inside classes and escaped are literal
+    assert _MAX_UNROLLED_ATOMS >= 100_000

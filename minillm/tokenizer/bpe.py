@@ -15,6 +15,7 @@ of n bytes costs O(n log n).
 from __future__ import annotations
 
 import operator
+import time
 import unicodedata
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import regex
 
 from minillm.tokenizer.bytes_unicode import bytes_to_token
-from minillm.tokenizer.pretokenize import PreTokenizer
+from minillm.tokenizer.pretokenize import PreTokenizer, time_budget
 
 if TYPE_CHECKING:
     import torch
@@ -141,11 +142,11 @@ class Tokenizer:
         for content, i in self.special_tokens.items():
             self._id_to_bytes[i] = content.encode("utf-8")
         self._special_ids = frozenset(self.special_tokens.values())
-        self._special_regex = (
-            regex.compile("|".join(regex.escape(s) for s in sorted(self.special_tokens, key=len, reverse=True)))
-            if self.special_tokens
-            else None
-        )
+        # For _special_spans: the characters a special token can start with, and the lengths
+        # of special tokens, longest first.
+        first_chars = "".join(sorted({content[0] for content in self.special_tokens}))
+        self._special_starts = regex.compile(f"[{regex.escape(first_chars)}]") if first_chars else None
+        self._special_lengths = sorted({len(content) for content in self.special_tokens}, reverse=True)
         self.bos_id = self._role_id("bos_token", bos_token)
         self.eos_id = self._role_id("eos_token", eos_token)
         self.pad_id = self._role_id("pad_token", pad_token)
@@ -189,17 +190,45 @@ class Tokenizer:
 
     def _split_special(self, text: str) -> Iterator[tuple[str, int | None]]:
         """Yield (piece, None) for ordinary text and (content, id) for each special token."""
-        if self._special_regex is None:
-            yield text, None
-            return
         start = 0
-        for match in self._special_regex.finditer(text):
-            if match.start() > start:
-                yield text[start : match.start()], None
-            yield match.group(), self.special_tokens[match.group()]
-            start = match.end()
+        for begin, end in self._special_spans(text):
+            if begin > start:
+                yield text[start:begin], None
+            yield text[begin:end], self.special_tokens[text[begin:end]]
+            start = end
         if start < len(text):
             yield text[start:], None
+
+    def _special_spans(self, text: str) -> Iterator[tuple[int, int]]:
+        """(start, end) of each special-token string in ``text``, as HF finds them: leftmost
+        first, the longest one at that position, never overlapping.
+
+        Each position holding a character a special token starts with is tried against each
+        special-token length, longest first: one dict lookup per length. (One regex of all the
+        special tokens, ``<a>|<b>|...``, tries every token at every position: 10 000 tokens
+        made 100 KB of text take seconds.) File-supplied tokens can still be pathological (a
+        thousand lengths, text full of their first character), so a deadline bounds the scan.
+        """
+        if self._special_starts is None:
+            return
+        deadline = time.monotonic() + time_budget(len(text))
+        specials, lengths = self.special_tokens, self._special_lengths
+        end = 0
+        for candidate in self._special_starts.finditer(text):
+            begin = candidate.start()
+            if begin < end:
+                continue  # inside the special token just found
+            for length in lengths:
+                if text[begin : begin + length] in specials:
+                    end = begin + length
+                    yield begin, end
+                    break
+            if time.monotonic() > deadline:
+                raise ValueError(
+                    f"encode(): finding the {len(specials)} special tokens ({len(lengths)} different lengths) in "
+                    f"{len(text)} characters took over {time_budget(len(text)):.2f} s (the tokenizer's special "
+                    "tokens are pathological)"
+                )
 
     def _encode_ordinary(self, text: str, out: list[int]) -> None:
         if self.nfc:
@@ -421,13 +450,13 @@ def _check_ids(vocab: dict[int, bytes], special_tokens: dict[str, int]) -> None:
     for i, data in vocab.items():
         if i >= limit:
             raise ValueError(
-                f"vocabulary id {i} ({bytes_to_token(data)!r}) is not below {limit}, the number of tokens "
+                f"vocabulary id {i} ({_short(bytes_to_token(data))}) is not below {limit}, the number of tokens "
                 f"({len(vocab)} in the vocabulary + {len(special_tokens)} special)"
             )
     seen_bytes: dict[bytes, int] = {}
     for i, data in vocab.items():
         if data in seen_bytes:
-            raise ValueError(f"vocabulary ids {seen_bytes[data]} and {i} both stand for {bytes_to_token(data)!r}")
+            raise ValueError(f"vocabulary ids {seen_bytes[data]} and {i} both stand for {_short(bytes_to_token(data))}")
         seen_bytes[data] = i
     owner: dict[int, str] = {}
     for content, i in special_tokens.items():
@@ -435,16 +464,21 @@ def _check_ids(vocab: dict[int, bytes], special_tokens: dict[str, int]) -> None:
             raise ValueError(f"special token {content!r} (id {i}) must be a non-empty str: an empty one matches everywhere")
         if i >= limit:
             raise ValueError(
-                f"special token {content!r} has id {i}, which is not below {limit}, the number of tokens "
+                f"special token {_short(content)} has id {i}, which is not below {limit}, the number of tokens "
                 f"({len(vocab)} in the vocabulary + {len(special_tokens)} special)"
             )
         if i in owner:
-            raise ValueError(f"special tokens {owner[i]!r} and {content!r} share id {i}")
+            raise ValueError(f"special tokens {_short(owner[i])} and {_short(content)} share id {i}")
         owner[i] = content
         if i in vocab and content.encode("utf-8") != vocab[i] and bytes_to_token(vocab[i]) != content:
             raise ValueError(
-                f"special token {content!r} has id {i}, which the vocabulary gives to {bytes_to_token(vocab[i])!r}"
+                f"special token {_short(content)} has id {i}, which the vocabulary gives to {_short(bytes_to_token(vocab[i]))}"
             )
+
+
+def _short(text: str, limit: int = 60) -> str:
+    """``repr(text)``, cut to about ``limit`` characters: a hostile file's token can be a megabyte."""
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
 
 
 def _as_id_list(ids: Any) -> list[int]:

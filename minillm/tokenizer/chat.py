@@ -124,9 +124,12 @@ def _escape(value: Any, tokenizer: Tokenizer, index: dict[str, int]) -> Any:
     """
     if isinstance(value, str):
         value = value.replace(_ESCAPE, _ESCAPE * 2)
-        if tokenizer._special_regex is None:
-            return value
-        return tokenizer._special_regex.sub(lambda m: f"{_ESCAPE}{index[m.group()]}{_ESCAPE}", value)
+        pieces = []
+        start = 0
+        for begin, end in tokenizer._special_spans(value):
+            pieces += [value[start:begin], _ESCAPE, str(index[value[begin:end]]), _ESCAPE]
+            start = end
+        return "".join(pieces) + value[start:]
     if isinstance(value, dict):
         return {key: _escape(item, tokenizer, index) for key, item in value.items()}
     if isinstance(value, (list, tuple)):

@@ -46,9 +46,28 @@ GGUF_PRE_PATTERNS = {
 
 _DIGIT = regex.compile(r"(\p{N})")
 
-# The time one split() may take: real patterns need well under a microsecond a character.
+# The time one split() may take: real patterns need well under a microsecond a character. The
+# patterns above match in linear time and run without a timeout (checking the clock halves the
+# speed of matching); any other pattern, which can only come from a file, runs with one.
+_LINEAR_PATTERNS = frozenset(GGUF_PRE_PATTERNS.values())
 _REGEX_BASE_SECONDS = 0.5
 _REGEX_SECONDS_PER_CHAR = 4e-6
+
+# ``regex.compile`` unrolls the minimum count of a repeat: ``a{1000}`` becomes 1000 nodes of
+# ~300 bytes, and nested repeats multiply, so ``(?:(?:(?:a{100}){100}){100}){100}`` (34
+# characters) asks for 30 GB. Patterns are refused above this many unrolled atoms.
+_MAX_UNROLLED_ATOMS = 100_000
+_QUANTIFIER = regex.compile(r"\{([0-9]*)(?:,[0-9]*)?\}")
+
+
+def _seconds_left(deadline: float | None) -> float | None:
+    """The ``timeout=`` for a regex call (None: no timeout; 0 makes it time out at once)."""
+    return None if deadline is None else max(deadline - time.monotonic(), 0.0)
+
+
+def time_budget(n_chars: int) -> float:
+    """Seconds that matching a file-supplied pattern against ``n_chars`` of text may take."""
+    return _REGEX_BASE_SECONDS + _REGEX_SECONDS_PER_CHAR * n_chars
 
 
 @dataclass(frozen=True)
@@ -66,6 +85,12 @@ class PreTokenizer:
     def __post_init__(self) -> None:
         if not isinstance(self.pattern, str):
             raise ValueError(f"the pre-tokenizer pattern must be a str, got {self.pattern!r}")
+        atoms = _unrolled_atoms(self.pattern)
+        if atoms > _MAX_UNROLLED_ATOMS:
+            raise ValueError(
+                f"the pre-tokenizer pattern {self.pattern[:100]!r} repeats too much: compiling it would unroll "
+                f"about {atoms} atoms (the limit is {_MAX_UNROLLED_ATOMS})"
+            )
         try:
             compiled = regex.compile(self.pattern)
         except regex.error as err:
@@ -74,7 +99,7 @@ class PreTokenizer:
 
     def split(self, text: str) -> list[str]:
         """Cut ``text`` into chunks; ``"".join(chunks) == text`` always holds."""
-        deadline = time.monotonic() + _REGEX_BASE_SECONDS + _REGEX_SECONDS_PER_CHAR * len(text)
+        deadline = None if self.pattern in _LINEAR_PATTERNS else time.monotonic() + time_budget(len(text))
         pieces = _DIGIT.split(text) if self.individual_digits else [text]
         chunks: list[str] = []
         try:
@@ -84,21 +109,21 @@ class PreTokenizer:
         except TimeoutError:
             raise ValueError(
                 f"the pre-tokenizer pattern {self.pattern!r} took over "
-                f"{_REGEX_BASE_SECONDS + _REGEX_SECONDS_PER_CHAR * len(text):.2f} s on {len(text)} characters of text "
+                f"{time_budget(len(text)):.2f} s on {len(text)} characters of text "
                 "(a pattern that backtracks catastrophically; it comes with the tokenizer file)"
             ) from None
         return chunks
 
-    def _split_piece(self, text: str, deadline: float) -> list[str]:
+    def _split_piece(self, text: str, deadline: float | None) -> list[str]:
         """HF's ``Split`` with ``behavior: Isolated``: every match is a chunk, and so is every
         stretch of text between two matches. Real patterns match everything, so ``findall``
         gives the answer; only when its matches do not add up to the text are the gaps found."""
-        matches = self._compiled.findall(text, timeout=max(deadline - time.monotonic(), 0.0))
+        matches = self._compiled.findall(text, timeout=_seconds_left(deadline))
         if sum(map(len, matches)) == len(text):
             return matches
         chunks: list[str] = []
         end = 0
-        for match in self._compiled.finditer(text, timeout=max(deadline - time.monotonic(), 0.0)):
+        for match in self._compiled.finditer(text, timeout=_seconds_left(deadline)):
             if match.start() > end:
                 chunks.append(text[end : match.start()])
             chunks.append(match.group())
@@ -184,6 +209,45 @@ def _split_regex(where: str, step: dict[str, Any]) -> str:
             "supported (minillm implements behavior='Isolated', invert=false)"
         )
     return spec["Regex"]
+
+
+def _unrolled_atoms(pattern: str) -> int:
+    """About how many atoms ``regex.compile`` builds for ``pattern``: each literal, escape,
+    class or ``.`` counts 1, times the minimum count of every repeat around it (``{m}``,
+    ``{m,n}``; ``*``, ``+`` and ``?`` need at most one copy). A scan, not a parser: ``(?:``
+    and the like count as a few literals, which only overestimates a little."""
+    groups = [0]  # atoms of each open group, innermost last
+    last = 0  # atoms of the item a quantifier right here would repeat
+    i = 0
+    while i < len(pattern):
+        char = pattern[i]
+        if char == "\\":  # an escape; \p{L}, \N{...}, \x{...} carry their own braces
+            i += 2
+            if pattern[i - 1 : i] in ("p", "P", "N", "x") and pattern[i : i + 1] == "{":
+                i = pattern.find("}", i) + 1 or len(pattern)
+            last = 1
+        elif char == "[":  # a class: one atom, whatever it lists
+            i += 2 if pattern[i + 1 : i + 2] == "]" else 1
+            while i < len(pattern) and pattern[i] != "]":
+                i += 2 if pattern[i] == "\\" else 1
+            i += 1
+            last = 1
+        elif char == "(":
+            groups.append(0)
+            i += 1
+            continue
+        elif char == ")" and len(groups) > 1:
+            last = groups.pop()
+            i += 1
+        elif char == "{" and (quantifier := _QUANTIFIER.match(pattern, i)):
+            groups[-1] += last * (max(int(quantifier.group(1) or 0), 1) - 1)
+            i = quantifier.end()
+            continue
+        else:
+            i += 1
+            last = 0 if char in "|*+?" else 1
+        groups[-1] += last
+    return sum(groups)
 
 
 def _only_one(current: str | None, new: str) -> str:
