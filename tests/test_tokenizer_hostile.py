@@ -205,7 +205,9 @@ CHAT_PIECES = [
     "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|im_start|", "system\n", "\n", " ", "user",
     ESCAPE, ESCAPE + ESCAPE, ESCAPE + "1" + ESCAPE, ESCAPE + "0", "0", "12", "evil",
 ]  # fmt: skip
-chat_text = st.lists(st.one_of(st.text(smol_safe_char, max_size=5), st.sampled_from(CHAT_PIECES)), max_size=8).map("".join)
+chat_text = st.lists(st.one_of(st.text(smol_safe_char, max_size=5), st.sampled_from(CHAT_PIECES)), max_size=8).map(
+    "".join
+)
 chat_messages = st.lists(
     st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system"]) | chat_text, "content": chat_text}),
     min_size=1,
@@ -338,7 +340,9 @@ def test_hostile_template_is_a_clear_value_error_in_bounded_memory(trained, temp
 
 def test_the_size_limit_grows_with_the_conversation(trained):
     """A legitimate template may repeat long messages: 8x the input is allowed."""
-    tok = bpe.Tokenizer(trained.vocab, trained.merges, trained.special_tokens, chat_template="{{ messages[0]['content'] * 4 }}")
+    tok = bpe.Tokenizer(
+        trained.vocab, trained.merges, trained.special_tokens, chat_template="{{ messages[0]['content'] * 4 }}"
+    )
     text = "to be or not to be " * 100_000  # 1.9 MB, quadrupled
     assert tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False) == text * 4
 
@@ -561,7 +565,12 @@ def test_ignore_merges_uses_whole_tokens_like_hf(tmp_path, trained_spec):
         folder = tmp_path / str(ignore)
         folder.mkdir()
         path = write_spec(
-            folder, trained_spec, model__vocab=shifted, model__merges=merges, model__ignore_merges=ignore, added_tokens=added_tokens
+            folder,
+            trained_spec,
+            model__vocab=shifted,
+            model__merges=merges,
+            model__ignore_merges=ignore,
+            added_tokens=added_tokens,
         )
         tok, hf = Tokenizer.from_file(path), HFTokenizer.from_file(str(path))
         for text in ("xyz", " xyz", "xyz xyz abc", "the xyzzy"):
@@ -625,7 +634,9 @@ def test_chat_template_list_uses_the_default_one(tmp_path, trained_spec):
 
 
 # --------------------------------------------------------------------------- 5. raw exceptions from files
-@pytest.mark.parametrize("pattern", ["(", "[a-", "*a", "\\"], ids=["open-paren", "open-class", "nothing-to-repeat", "backslash"])
+@pytest.mark.parametrize(
+    "pattern", ["(", "[a-", "*a", "\\"], ids=["open-paren", "open-class", "nothing-to-repeat", "backslash"]
+)
 def test_invalid_split_regex_is_a_file_format_error_naming_the_field(tmp_path, trained_spec, pattern):
     path = write_spec(tmp_path, split_spec(trained_spec, pattern))
     refuses(path, "pre_tokenizer.pretokenizers[0].pattern.Regex", "does not compile")
@@ -633,7 +644,9 @@ def test_invalid_split_regex_is_a_file_format_error_naming_the_field(tmp_path, t
 
 MALFORMED_FIELDS = {
     "Split pattern that is a str": {"pre_tokenizer": {"type": "Split", "pattern": "Regex", "behavior": "Isolated"}},
-    "Split regex that is a number": {"pre_tokenizer": {"type": "Split", "pattern": {"Regex": 5}, "behavior": "Isolated"}},
+    "Split regex that is a number": {
+        "pre_tokenizer": {"type": "Split", "pattern": {"Regex": 5}, "behavior": "Isolated"}
+    },
     "pretokenizers that is a number": {"pre_tokenizer": {"type": "Sequence", "pretokenizers": 5}},
     "merge pair of lists": {"model__merges": [[["a"], "b"]]},
     "merge of numbers": {"model__merges": [[1, 2]]},
@@ -787,7 +800,11 @@ def test_pathological_special_tokens_fail_fast_and_clearly(trained):
 # --------------------------------------------------------------------------- regexes that explode when compiled
 @pytest.mark.parametrize(
     "pattern, atoms",
-    [("(?:(?:(?:a{100}){100}){100}){100}", 101_010_100), ("(?:a{65535}){65535}", 65536 * 65535), ("a{4294967294}", 4294967294)],
+    [
+        ("(?:(?:(?:a{100}){100}){100}){100}", 101_010_100),
+        ("(?:a{65535}){65535}", 65536 * 65535),
+        ("a{4294967294}", 4294967294),
+    ],
     ids=["nested-repeats", "two-big-repeats", "one-huge-repeat"],
 )
 def test_split_regex_that_unrolls_to_gigabytes_is_refused_before_compiling(tmp_path, trained_spec, pattern, atoms):
@@ -810,3 +827,24 @@ def test_the_unrolled_size_of_real_patterns_is_small():
     assert _unrolled_atoms(r"\p{N}{1,3}") == 1 and _unrolled_atoms(r"(?:ab){3}") == 9  # "?:" counts as a literal
     assert _unrolled_atoms(r"[a{99}]\{99\}") < 10  # braces inside classes and escaped are literal
     assert _MAX_UNROLLED_ATOMS >= 100_000
+
+
+def test_a_sparse_file_of_a_terabyte_is_refused_by_its_size(tmp_path):
+    path = tmp_path / "tokenizer.json"
+    with open(path, "wb") as f:
+        f.truncate(1 << 40)  # takes no disk space
+    refuses(path, str(1 << 40), "too large")
+
+
+@pytest.mark.parametrize("bad", [123, None, b"tokenizer.json"], ids=["int", "None", "bytes"])
+def test_from_file_with_a_non_path_is_a_type_error(bad):
+    with pytest.raises(TypeError, match=r"str or Path"):
+        Tokenizer.from_file(bad)
+
+
+def test_id_to_token_accepts_numpy_ints_and_refuses_strings(smol):
+    import numpy as np
+
+    assert smol.id_to_token(np.int64(2)) == smol.id_to_token(2) == "<|im_end|>"
+    with pytest.raises(TypeError, match=r"id_to_token\(\) expects int ids"):
+        smol.id_to_token("2")

@@ -333,6 +333,7 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str:
         """The vocabulary string of an id, as tokenizer files show it (``'Ġthe'``)."""
+        (token_id,) = _as_id_list([token_id], "id_to_token()")
         data = self._id_to_bytes[token_id] if 0 <= token_id < self.vocab_size else None
         if data is None:
             raise ValueError(f"id {token_id} is not in the vocabulary")
@@ -385,7 +386,7 @@ class Tokenizer:
         The ids are safe to feed a model whatever the messages hold: the template's own
         markers (``<|im_start|>``, ``<|im_end|>``) become special ids, but text from the
         messages is encoded with special-token parsing off, so a message holding
-        ``"hi<|im_end|>\n<|im_start|>system\n..."`` cannot open a system turn. Messages
+        ``"hi<|im_end|>\\n<|im_start|>system\\n..."`` cannot open a system turn. Messages
         without special-token strings get exactly transformers' ids.
 
         ``parse_special_in_content=True`` reproduces transformers' ``apply_chat_template``
@@ -461,7 +462,7 @@ def _check_ids(vocab: dict[int, bytes], special_tokens: dict[str, int]) -> None:
     owner: dict[int, str] = {}
     for content, i in special_tokens.items():
         if not isinstance(content, str) or not content:
-            raise ValueError(f"special token {content!r} (id {i}) must be a non-empty str: an empty one matches everywhere")
+            raise ValueError(f"special token {content!r} (id {i}) must be a non-empty str (empty matches anywhere)")
         if i >= limit:
             raise ValueError(
                 f"special token {_short(content)} has id {i}, which is not below {limit}, the number of tokens "
@@ -471,9 +472,8 @@ def _check_ids(vocab: dict[int, bytes], special_tokens: dict[str, int]) -> None:
             raise ValueError(f"special tokens {_short(owner[i])} and {_short(content)} share id {i}")
         owner[i] = content
         if i in vocab and content.encode("utf-8") != vocab[i] and bytes_to_token(vocab[i]) != content:
-            raise ValueError(
-                f"special token {_short(content)} has id {i}, which the vocabulary gives to {_short(bytes_to_token(vocab[i]))}"
-            )
+            taken_by = _short(bytes_to_token(vocab[i]))
+            raise ValueError(f"special token {_short(content)} has id {i}, which the vocabulary gives to {taken_by}")
 
 
 def _short(text: str, limit: int = 60) -> str:
@@ -481,13 +481,13 @@ def _short(text: str, limit: int = 60) -> str:
     return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
 
 
-def _as_id_list(ids: Any) -> list[int]:
+def _as_id_list(ids: Any, caller: str = "decode()") -> list[int]:
     """``ids`` as a list of Python ints: a list or tuple of ints, numpy integers or 0-d integer
     tensors, or a numpy array / torch tensor of integers (what a sampler hands back)."""
     if hasattr(ids, "tolist"):  # a torch tensor or numpy array
         ids = ids.tolist()
     if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
-        raise TypeError(f"decode() expects a sequence of int ids, got {type(ids).__name__}")
+        raise TypeError(f"{caller} expects a sequence of int ids, got {type(ids).__name__}")
     out = []
     for i in ids:
         try:  # operator.index accepts exactly the integer types (numpy.int64, an int tensor), not 1.0
@@ -495,7 +495,7 @@ def _as_id_list(ids: Any) -> list[int]:
                 raise TypeError
             out.append(operator.index(i))
         except TypeError:
-            raise TypeError(f"decode() expects int ids, got {i!r} ({type(i).__name__})") from None
+            raise TypeError(f"{caller} expects int ids, got {i!r} ({type(i).__name__})") from None
     return out
 
 

@@ -179,7 +179,7 @@ def _render(tokenizer: Tokenizer, messages: list[Any], add_generation_prompt: bo
         raise
     except RecursionError:
         raise _TemplateError("chat template: recursion too deep (a macro or loop that calls itself forever)") from None
-    except Exception as err:  # the template is model-supplied code: any failure in it is bad input
+    except Exception as err:  # noqa: BLE001 (the template is model-supplied code: any failure is bad input)
         raise _TemplateError(f"chat template failed: {type(err).__name__}: {err}") from None
     return "".join(pieces)
 
@@ -293,14 +293,14 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
                 limits.check_numbers(right if isinstance(right, tuple) else (right,), {}, what)
         return limits.check_value(super().call_binop(context, operator, left, right), what)
 
-    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
-        limits = __self.limits
-        name = getattr(__obj, "__name__", None) or getattr(__obj, "name", None) or type(__obj).__name__
+    def call(self, context: Any, obj: Any, /, *args: Any, **kwargs: Any) -> Any:
+        limits = self.limits
+        name = getattr(obj, "__name__", None) or getattr(obj, "name", None) or type(obj).__name__
         what = f"calling {name}()"
         for arg in [*args, *kwargs.values()]:  # a macro calling itself with s ~ s doubles s each time
             limits.check_value(arg, f"an argument of {what}")
         # The sandbox hands str.format out wrapped (``__wrapped__``) in its own safe formatter.
-        receiver = getattr(getattr(__obj, "__wrapped__", __obj), "__self__", None)
+        receiver = getattr(getattr(obj, "__wrapped__", obj), "__self__", None)
         if isinstance(receiver, str):  # str methods take widths and counts: center(10**10)
             limits.check_numbers(args, kwargs, what)
             if name in ("format", "format_map"):
@@ -311,7 +311,7 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
                 limits.check(len(receiver) * _size(args[0]), what)
             elif name == "expandtabs":
                 limits.check(len(receiver) * (args[0] if args else kwargs.get("tabsize", 8)), what)
-        return limits.check_value(super().call(__context, __obj, *args, **kwargs), what)
+        return limits.check_value(super().call(context, obj, *args, **kwargs), what)
 
 
 # Filters whose int arguments are widths or counts (``center(10**10)``, ``batch(10**10, 'x')``).

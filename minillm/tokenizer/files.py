@@ -25,6 +25,10 @@ from minillm.tokenizer.bpe import Pair, Tokenizer
 from minillm.tokenizer.bytes_unicode import bytes_to_token, token_to_bytes
 from minillm.tokenizer.pretokenize import GGUF_PRE_PATTERNS, PreTokenizer
 
+# Larger than any real tokenizer file (Llama 3's tokenizer.json is 9 MB). A sparse file can be
+# terabytes long while taking no disk space; reading it whole would exhaust memory.
+_MAX_FILE_BYTES = 256 << 20
+
 # GGUF token types (llama.cpp's llama_token_type)
 _GGUF_CONTROL = 3
 _GGUF_USER_DEFINED = 4
@@ -33,6 +37,8 @@ _GGUF_USER_DEFINED = 4
 def load_tokenizer(path: str | Path) -> Tokenizer:
     """Load a tokenizer from a ``tokenizer.json``, a ``.gguf`` file, or a folder holding either
     ``tokenizer.json``, GPT-2's ``encoder.json`` + ``vocab.bpe``, or ``vocab.json`` + ``merges.txt``."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"a tokenizer path must be a str or Path, got {type(path).__name__}")
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no tokenizer at {path}: the path does not exist")
@@ -121,12 +127,16 @@ def _read_text(path: Path) -> str:
     """The UTF-8 text of a regular file.
 
     Opened non-blocking and checked with ``fstat`` on the open descriptor, so a path swapped
-    for a FIFO after ``_is_regular_file`` looked at it still cannot block.
+    for a FIFO after ``_is_regular_file`` looked at it still cannot block, and a (sparse) file
+    of terabytes is refused by its size before a byte is read.
     """
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     with open(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
             raise FileFormatError(f"{path}: not a regular file (a FIFO, device or socket); tokenizers are files")
+        if info.st_size > _MAX_FILE_BYTES:
+            raise FileFormatError(f"{path}: {info.st_size} bytes is too large (the limit is {_MAX_FILE_BYTES})")
         data = f.read()
     try:
         return data.decode("utf-8")
@@ -179,7 +189,8 @@ def _load_tokenizer_json(path: Path) -> Tokenizer:
     if model.get("type", "BPE") != "BPE" or model.get("byte_fallback"):
         raise FileFormatError(f"{path}: model {model.get('type')!r} is not byte-level BPE (the kind minillm reads)")
     if not isinstance(model["vocab"], dict):
-        raise FileFormatError(f"{path}: model.vocab must map token strings to ids, got a {type(model['vocab']).__name__}")
+        kind = type(model["vocab"]).__name__
+        raise FileFormatError(f"{path}: model.vocab must map token strings to ids, got a {kind}")
     special = _added_tokens(path, spec.get("added_tokens", []), model["vocab"])
     vocab = _vocab_from_strings(path, model["vocab"], special, "model.vocab")
     merges = _merges_from_strings(path, model["merges"], model["vocab"])
@@ -288,7 +299,8 @@ def _chat_template(path: Path, value: Any) -> str | None:
         named = {t.get("name"): t["template"] for t in value}
         if "default" in named:
             return named["default"]
-        raise FileFormatError(f"{path}: chat_template lists templates {sorted(map(str, named))} but none named 'default'")
+        names = sorted(map(str, named))
+        raise FileFormatError(f"{path}: chat_template lists templates {names} but none named 'default'")
     raise FileFormatError(f"{path}: chat_template must be a str or a list of {{name, template}}, got {value!r}"[:300])
 
 

@@ -84,7 +84,7 @@ class PreTokenizer:
 
     def __post_init__(self) -> None:
         if not isinstance(self.pattern, str):
-            raise ValueError(f"the pre-tokenizer pattern must be a str, got {self.pattern!r}")
+            raise TypeError(f"the pre-tokenizer pattern must be a str, got {self.pattern!r}")
         atoms = _unrolled_atoms(self.pattern)
         if atoms > _MAX_UNROLLED_ATOMS:
             raise ValueError(
