@@ -848,3 +848,19 @@ def test_id_to_token_accepts_numpy_ints_and_refuses_strings(smol):
     assert smol.id_to_token(np.int64(2)) == smol.id_to_token(2) == "<|im_end|>"
     with pytest.raises(TypeError, match=r"id_to_token\(\) expects int ids"):
         smol.id_to_token("2")
+
+
+@pytest.mark.parametrize(
+    "template, expected",
+    [
+        ("{{ '%s at 1700000000' % 'x' }}", "x at 1700000000"),
+        ("{{ 'year {0}: {1:>5}'.format(2024, 'ok') }}", "year 2024:    ok"),
+        ("{{ 1700000000|string }}{{ 'ab' * 3 }}{{ (range(5)|list)|join(',') }}", "1700000000ababab0,1,2,3,4"),
+        ("{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}{% endfor %}{{ ns.n }}", "1"),
+    ],
+    ids=["big-number-in-a-percent-string", "format-with-small-widths", "plain-operations", "namespace-counter"],
+)
+def test_ordinary_template_operations_are_not_refused(trained, template, expected):
+    """The limits look at sizes, not at numbers that merely appear in the text."""
+    tok = bpe.Tokenizer(trained.vocab, trained.merges, trained.special_tokens, chat_template=template)
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == expected

@@ -63,6 +63,11 @@ _MAX_CHARS_PER_INPUT_CHAR = 8
 _ESCAPE = "\U000f0000"
 _ESCAPED = regex.compile(f"{_ESCAPE}([0-9]*){_ESCAPE}")
 
+# The width and precision part of a printf-style conversion (``%-10.3f``) and of a str.format
+# field (``{0:>10}``).
+_PERCENT_SPEC = regex.compile(r"%[#0 +\-]*([0-9]*(?:\.[0-9]*)?)")
+_BRACE_SPEC = regex.compile(r"\{[^{}:]*:([^{}]*)\}")
+
 
 class _TemplateError(ValueError):
     """A chat template that does not parse, refuses the messages, or goes past a limit."""
@@ -228,11 +233,12 @@ class _Limits:
 
     def check_format(self, fmt: Any, what: str) -> None:
         """A format string's widths and precisions (``%9999999d``, ``{:>9999999}``) are sizes too."""
-        if isinstance(fmt, str):
-            for digits in regex.findall(r"[0-9]+", fmt):
-                if len(digits) > 12:
-                    self.check(10**12, f"{what} with width {digits[:20]}...")
-                self.check(int(digits), f"{what} with width {digits}")
+        if not isinstance(fmt, str):
+            return
+        specs = [*_PERCENT_SPEC.findall(fmt), *_BRACE_SPEC.findall(fmt)]
+        for digits in regex.findall(r"[0-9]+", " ".join(specs)):
+            width = int(digits) if len(digits) <= 12 else 10**12  # Python refuses int() of 4300+ digits
+            self.check(width, f"{what} with width {digits[:20]}")
 
 
 def _size(value: Any) -> int:
