@@ -33,10 +33,24 @@ def hf_chat_ids(hf, messages, add_generation_prompt):
     return list(out["input_ids"]) if hasattr(out, "keys") else list(out)
 
 
+# Messages whose text holds no special-token string: the safe default gives transformers' ids.
+PLAIN_CONVERSATIONS = {name: messages for name, messages in CONVERSATIONS.items() if name != "specials in content"}
+
+
 @pytest.mark.parametrize("add_generation_prompt", [True, False], ids=["gen-prompt", "no-gen-prompt"])
-@pytest.mark.parametrize("messages", CONVERSATIONS.values(), ids=CONVERSATIONS.keys())
+@pytest.mark.parametrize("messages", PLAIN_CONVERSATIONS.values(), ids=PLAIN_CONVERSATIONS.keys())
 def test_chat_ids_equal_transformers(smol, smol_hf, messages, add_generation_prompt):
     ours = smol.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    assert ours == hf_chat_ids(smol_hf, messages, add_generation_prompt)
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False], ids=["gen-prompt", "no-gen-prompt"])
+@pytest.mark.parametrize("messages", CONVERSATIONS.values(), ids=CONVERSATIONS.keys())
+def test_parse_special_in_content_gives_transformers_ids(smol, smol_hf, messages, add_generation_prompt):
+    """The explicit transformers-compatible mode: specials typed in a message become special ids."""
+    ours = smol.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, parse_special_in_content=True
+    )
     assert ours == hf_chat_ids(smol_hf, messages, add_generation_prompt)
 
 

@@ -4,20 +4,29 @@ Encoding runs in three steps: special-token strings (``<|im_start|>``) are cut o
 map straight to their ids; the rest is pre-tokenized into chunks; each chunk's UTF-8 bytes are
 merged pair by pair, always taking the merge that was *learned earliest* (lowest rank), until
 no learned pair is left. Decoding concatenates the bytes of each id and decodes them as UTF-8.
+
+The merging is the part that must stay fast on hostile text. Rescanning a chunk for its best
+pair after every merge costs O(n) per merge, O(n^2) per chunk: harmless on words, but 100 KB
+of letters without a space is one chunk, and took about a minute. ``_bpe`` keeps a heap of
+candidate pairs over a linked list of symbols instead (as HF ``tokenizers`` does), so a chunk
+of n bytes costs O(n log n).
 """
 
 from __future__ import annotations
 
+import operator
+import time
 import unicodedata
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from heapq import heapify, heappop, heappush
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import regex
 
 from minillm.tokenizer.bytes_unicode import bytes_to_token
-from minillm.tokenizer.pretokenize import PreTokenizer
+from minillm.tokenizer.pretokenize import PreTokenizer, time_budget
 
 if TYPE_CHECKING:
     import torch
@@ -26,8 +35,12 @@ if TYPE_CHECKING:
 
 Pair = tuple[int, int]
 
-# Distinct chunks kept in the encode cache before it is emptied (bounds memory on huge inputs).
-_CACHE_LIMIT = 500_000
+# The encode cache maps a chunk to its ids. Natural text repeats a few thousand chunks, so the
+# cache makes encoding fast; hostile text (long random runs) repeats nothing, and caching it only
+# holds memory. So chunks longer than this many characters are never cached (HF tokenizers uses
+# the same limit), and the cache is emptied whenever its estimated size passes the budget.
+_CACHE_MAX_CHUNK = 256
+_CACHE_BUDGET_BYTES = 32 << 20
 
 
 @dataclass
@@ -59,6 +72,13 @@ class Tokenizer:
         add_bos, add_eos: whether ``encode(..., add_special_tokens=True)`` adds them.
         chat_template: a Jinja template for ``apply_chat_template`` (ChatML when absent).
         nfc: normalize text to Unicode NFC before encoding (Qwen2 does).
+        ignore_merges: a chunk that is itself in the vocabulary becomes that one token without
+            merging (Llama 3 sets this: some of its tokens are not reachable by its merges).
+
+    Ids must be consistent: every id below ``len(vocab) + len(special_tokens)`` (the id table
+    is a list, so a lone id of 10**8 would cost 800 MB), no two tokens with the same bytes or
+    the same id, no merge listed twice, and a special token may share an id only with the
+    vocabulary entry that spells the same token.
     """
 
     def __init__(
@@ -75,10 +95,12 @@ class Tokenizer:
         add_eos: bool = False,
         chat_template: str | None = None,
         nfc: bool = False,
+        ignore_merges: bool = False,
     ) -> None:
         for i in [*vocab, *(special_tokens or {}).values()]:
             if not isinstance(i, int) or isinstance(i, bool) or i < 0:
                 raise ValueError(f"token ids must be non-negative ints, got {i!r}")
+        _check_ids(vocab, special_tokens or {})
         self.vocab = dict(vocab)
         self.merges = list(merges)
         self.special_tokens = dict(special_tokens or {})
@@ -87,8 +109,9 @@ class Tokenizer:
         self.nfc = nfc
         self.add_bos = add_bos
         self.add_eos = add_eos
+        self.ignore_merges = ignore_merges
 
-        bytes_to_id = {data: i for i, data in self.vocab.items()}
+        self._bytes_to_id = bytes_to_id = {data: i for i, data in self.vocab.items()}
         # A vocabulary may lack a few bytes (SmolLM2 has no token for 21 of them, e.g. 0x04):
         # like HF tokenizers without an unk token, encode() then drops those bytes.
         self._byte_ids: list[int | None] = [bytes_to_id.get(bytes([b])) for b in range(256)]
@@ -105,7 +128,12 @@ class Tokenizer:
                     f"merge #{rank} {bytes_to_token(self.vocab[a])!r} + {bytes_to_token(self.vocab[b])!r} "
                     "produces a token that is not in the vocabulary"
                 )
-            self._merge_table.setdefault((a, b), (rank, merged))
+            if (a, b) in self._merge_table:  # HF would keep the last rank, llama.cpp the first
+                raise ValueError(
+                    f"merge #{rank} {bytes_to_token(self.vocab[a])!r} + {bytes_to_token(self.vocab[b])!r} "
+                    f"repeats merge #{self._merge_table[(a, b)][0]}"
+                )
+            self._merge_table[(a, b)] = (rank, merged)
 
         self.vocab_size = 1 + max([*self.vocab, *self.special_tokens.values()])
         self._id_to_bytes: list[bytes | None] = [None] * self.vocab_size
@@ -114,15 +142,16 @@ class Tokenizer:
         for content, i in self.special_tokens.items():
             self._id_to_bytes[i] = content.encode("utf-8")
         self._special_ids = frozenset(self.special_tokens.values())
-        self._special_regex = (
-            regex.compile("|".join(regex.escape(s) for s in sorted(self.special_tokens, key=len, reverse=True)))
-            if self.special_tokens
-            else None
-        )
+        # For _special_spans: the characters a special token can start with, and the lengths
+        # of special tokens, longest first.
+        first_chars = "".join(sorted({content[0] for content in self.special_tokens}))
+        self._special_starts = regex.compile(f"[{regex.escape(first_chars)}]") if first_chars else None
+        self._special_lengths = sorted({len(content) for content in self.special_tokens}, reverse=True)
         self.bos_id = self._role_id("bos_token", bos_token)
         self.eos_id = self._role_id("eos_token", eos_token)
         self.pad_id = self._role_id("pad_token", pad_token)
         self._cache: dict[str, list[int]] = {}
+        self._cache_bytes = 0
 
     def _role_id(self, role: str, token: str | None) -> int | None:
         if token is None:
@@ -147,54 +176,139 @@ class Tokenizer:
         if add_special_tokens and self.add_bos and self.bos_id is not None:
             ids.append(self.bos_id)
         pieces = self._split_special(text) if parse_special else [(text, None)]
-        for piece, special_id in pieces:
-            if special_id is None:
-                self._encode_ordinary(piece, ids)
-            else:
-                ids.append(special_id)
+        try:
+            for piece, special_id in pieces:
+                if special_id is None:
+                    self._encode_ordinary(piece, ids)
+                else:
+                    ids.append(special_id)
+        except UnicodeEncodeError:
+            raise _lone_surrogate_error(text) from None
         if add_special_tokens and self.add_eos and self.eos_id is not None:
             ids.append(self.eos_id)
         return ids
 
     def _split_special(self, text: str) -> Iterator[tuple[str, int | None]]:
         """Yield (piece, None) for ordinary text and (content, id) for each special token."""
-        if self._special_regex is None:
-            yield text, None
-            return
         start = 0
-        for match in self._special_regex.finditer(text):
-            if match.start() > start:
-                yield text[start : match.start()], None
-            yield match.group(), self.special_tokens[match.group()]
-            start = match.end()
+        for begin, end in self._special_spans(text):
+            if begin > start:
+                yield text[start:begin], None
+            yield text[begin:end], self.special_tokens[text[begin:end]]
+            start = end
         if start < len(text):
             yield text[start:], None
+
+    def _special_spans(self, text: str) -> Iterator[tuple[int, int]]:
+        """(start, end) of each special-token string in ``text``, as HF finds them: leftmost
+        first, the longest one at that position, never overlapping.
+
+        Each position holding a character a special token starts with is tried against each
+        special-token length, longest first: one dict lookup per length. (One regex of all the
+        special tokens, ``<a>|<b>|...``, tries every token at every position: 10 000 tokens
+        made 100 KB of text take seconds.) File-supplied tokens can still be pathological (a
+        thousand lengths, text full of their first character), so a deadline bounds the scan.
+        """
+        if self._special_starts is None:
+            return
+        deadline = time.monotonic() + time_budget(len(text))
+        specials, lengths = self.special_tokens, self._special_lengths
+        end = 0
+        for candidate in self._special_starts.finditer(text):
+            begin = candidate.start()
+            if begin < end:
+                continue  # inside the special token just found
+            for length in lengths:
+                if text[begin : begin + length] in specials:
+                    end = begin + length
+                    yield begin, end
+                    break
+            if time.monotonic() > deadline:
+                raise ValueError(
+                    f"encode(): finding the {len(specials)} special tokens ({len(lengths)} different lengths) in "
+                    f"{len(text)} characters took over {time_budget(len(text)):.2f} s (the tokenizer's special "
+                    "tokens are pathological)"
+                )
 
     def _encode_ordinary(self, text: str, out: list[int]) -> None:
         if self.nfc:
             text = unicodedata.normalize("NFC", text)
         cache = self._cache
-        if len(cache) > _CACHE_LIMIT:
-            cache.clear()
         for chunk in self.pretokenizer.split(text):
             ids = cache.get(chunk)
             if ids is None:
                 ids = self._bpe(chunk.encode("utf-8"))
-                cache[chunk] = ids
+                if len(chunk) <= _CACHE_MAX_CHUNK:
+                    self._remember(chunk, ids)
             out.extend(ids)
 
+    def _remember(self, chunk: str, ids: list[int]) -> None:
+        """Cache ``ids`` for ``chunk``, emptying the cache first if it would pass its byte budget.
+
+        The size is an estimate (a dict slot, a str of up to 4 bytes a character, a list of
+        8-byte pointers), close enough to keep the cache within a small multiple of the budget.
+        """
+        cost = 200 + 4 * len(chunk) + 8 * len(ids)
+        if self._cache_bytes + cost > _CACHE_BUDGET_BYTES:
+            self._cache.clear()
+            self._cache_bytes = 0
+        self._cache[chunk] = ids
+        self._cache_bytes += cost
+
     def _bpe(self, data: bytes) -> list[int]:
-        """Merge the bytes of one chunk: repeatedly apply the lowest-rank learned pair."""
+        """Merge the bytes of one chunk: repeatedly apply the lowest-rank learned pair.
+
+        Symbols live in a doubly linked list over ``ids`` (``nxt``/``prv`` hold neighbour
+        positions; a symbol merged into its left neighbour gets id -1). The heap holds one entry
+        per candidate pair, packed into one int ``rank * n + pos`` so that it orders by rank,
+        then leftmost position, exactly the order in which HF ``tokenizers`` applies merges.
+        Entries are never removed when a merge invalidates them: a popped entry whose pair is
+        no longer at ``pos`` is skipped (lazy deletion). Every merge pushes at most two new
+        entries, so a chunk of n bytes costs O(n log n).
+
+        With ``ignore_merges``, a chunk that is a token as a whole is that token (HF checks this
+        before merging too).
+        """
+        if self.ignore_merges and (whole := self._bytes_to_id.get(data)) is not None:
+            return [whole]
         byte_ids = self._byte_ids
-        ids = [byte_ids[b] for b in data if byte_ids[b] is not None]
+        ids = [i for i in map(byte_ids.__getitem__, data) if i is not None]
+        n = len(ids)
+        if n < 2:
+            return ids
         table = self._merge_table
-        not_learned = (len(table), -1)
-        while len(ids) >= 2:
-            rank, merged = min(table.get(pair, not_learned) for pair in zip(ids, ids[1:]))
-            if merged < 0:
-                break
-            ids = _merge(ids, self.merges[rank], merged)
-        return ids
+        heap = []
+        for pos in range(n - 1):
+            entry = table.get((ids[pos], ids[pos + 1]))
+            if entry is not None:
+                heap.append(entry[0] * n + pos)
+        heapify(heap)
+        nxt = list(range(1, n + 1))  # n: no right neighbour
+        prv = list(range(-1, n - 1))  # -1: no left neighbour
+        while heap:
+            rank, pos = divmod(heappop(heap), n)
+            left, right_pos = ids[pos], nxt[pos]
+            if left < 0 or right_pos == n:
+                continue  # stale: this symbol was merged away, or has no right neighbour now
+            entry = table.get((left, ids[right_pos]))
+            if entry is None or entry[0] != rank:
+                continue  # stale: the pair at pos changed since this entry was pushed
+            merged = entry[1]
+            ids[pos] = merged
+            ids[right_pos] = -1
+            after = nxt[right_pos]
+            nxt[pos] = after
+            if after < n:
+                prv[after] = pos
+                entry = table.get((merged, ids[after]))
+                if entry is not None:
+                    heappush(heap, entry[0] * n + pos)
+            before = prv[pos]
+            if before >= 0:
+                entry = table.get((ids[before], merged))
+                if entry is not None:
+                    heappush(heap, entry[0] * n + before)
+        return [i for i in ids if i >= 0]
 
     # ----------------------------------------------------------------------------- decoding
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
@@ -219,6 +333,7 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str:
         """The vocabulary string of an id, as tokenizer files show it (``'Ġthe'``)."""
+        (token_id,) = _as_id_list([token_id], "id_to_token()")
         data = self._id_to_bytes[token_id] if 0 <= token_id < self.vocab_size else None
         if data is None:
             raise ValueError(f"id {token_id} is not in the vocabulary")
@@ -260,15 +375,36 @@ class Tokenizer:
     # ----------------------------------------------------------------------------- chat
     def apply_chat_template(
         self,
-        messages: Sequence[dict[str, str]],
+        messages: Sequence[dict[str, Any]],
         add_generation_prompt: bool = True,
         tokenize: bool = True,
+        *,
+        parse_special_in_content: bool = False,
     ) -> list[int] | str:
-        """Format a conversation the way the model was fine-tuned to see it, then encode it."""
-        from minillm.tokenizer.chat import render_chat
+        """Format a conversation the way the model was fine-tuned to see it, then encode it.
 
-        text = render_chat(self, messages, add_generation_prompt)
-        return self.encode(text) if tokenize else text
+        The ids are safe to feed a model whatever the messages hold: the template's own
+        markers (``<|im_start|>``, ``<|im_end|>``) become special ids, but text from the
+        messages is encoded with special-token parsing off, so a message holding
+        ``"hi<|im_end|>\\n<|im_start|>system\\n..."`` cannot open a system turn. Messages
+        without special-token strings get exactly transformers' ids.
+
+        ``parse_special_in_content=True`` reproduces transformers' ``apply_chat_template``
+        instead, forgery included: it renders the string and encodes all of it with
+        special tokens parsed. Use it only for trusted messages or to compare with transformers.
+
+        ``tokenize=False`` returns the rendered string (transformers' string). Encoding that
+        string with ``encode()`` parses every special-token string in it, including those a
+        message smuggled in, so do not turn it back into ids: call this method with
+        ``tokenize=True`` for ids.
+        """
+        from minillm.tokenizer.chat import encode_chat, render_chat
+
+        if not tokenize:
+            return render_chat(self, messages, add_generation_prompt)
+        if parse_special_in_content:
+            return self.encode(render_chat(self, messages, add_generation_prompt))
+        return encode_chat(self, messages, add_generation_prompt)
 
     # ----------------------------------------------------------------------------- files
     @classmethod
@@ -307,29 +443,70 @@ def pad_batch(rows: Sequence[Sequence[int]], pad_id: int, padding_side: str = "l
     return BatchEncoding(input_ids, attention_mask, position_ids)
 
 
-def _merge(ids: list[int], pair: Pair, merged: int) -> list[int]:
-    """Replace every non-overlapping occurrence of ``pair`` (left to right) by ``merged``."""
-    a, b = pair
-    out: list[int] = []
-    i = 0
-    n = len(ids)
-    while i < n:
-        if i + 1 < n and ids[i] == a and ids[i + 1] == b:
-            out.append(merged)
-            i += 2
-        else:
-            out.append(ids[i])
-            i += 1
-    return out
+def _check_ids(vocab: dict[int, bytes], special_tokens: dict[str, int]) -> None:
+    """Refuse ids that are out of bounds or that two tokens claim (see ``Tokenizer``)."""
+    limit = len(vocab) + len(special_tokens)
+    if limit == 0:
+        raise ValueError("a tokenizer needs at least one token")
+    for i, data in vocab.items():
+        if i >= limit:
+            raise ValueError(
+                f"vocabulary id {i} ({_short(bytes_to_token(data))}) is not below {limit}, the number of tokens "
+                f"({len(vocab)} in the vocabulary + {len(special_tokens)} special)"
+            )
+    seen_bytes: dict[bytes, int] = {}
+    for i, data in vocab.items():
+        if data in seen_bytes:
+            raise ValueError(f"vocabulary ids {seen_bytes[data]} and {i} both stand for {_short(bytes_to_token(data))}")
+        seen_bytes[data] = i
+    owner: dict[int, str] = {}
+    for content, i in special_tokens.items():
+        if not isinstance(content, str) or not content:
+            raise ValueError(f"special token {content!r} (id {i}) must be a non-empty str (empty matches anywhere)")
+        if i >= limit:
+            raise ValueError(
+                f"special token {_short(content)} has id {i}, which is not below {limit}, the number of tokens "
+                f"({len(vocab)} in the vocabulary + {len(special_tokens)} special)"
+            )
+        if i in owner:
+            raise ValueError(f"special tokens {_short(owner[i])} and {_short(content)} share id {i}")
+        owner[i] = content
+        if i in vocab and content.encode("utf-8") != vocab[i] and bytes_to_token(vocab[i]) != content:
+            taken_by = _short(bytes_to_token(vocab[i]))
+            raise ValueError(f"special token {_short(content)} has id {i}, which the vocabulary gives to {taken_by}")
 
 
-def _as_id_list(ids: Any) -> list[int]:
+def _short(text: str, limit: int = 60) -> str:
+    """``repr(text)``, cut to about ``limit`` characters: a hostile file's token can be a megabyte."""
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
+
+
+def _as_id_list(ids: Any, caller: str = "decode()") -> list[int]:
+    """``ids`` as a list of Python ints: a list or tuple of ints, numpy integers or 0-d integer
+    tensors, or a numpy array / torch tensor of integers (what a sampler hands back)."""
     if hasattr(ids, "tolist"):  # a torch tensor or numpy array
         ids = ids.tolist()
     if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
-        raise TypeError(f"decode() expects a sequence of int ids, got {type(ids).__name__}")
-    ids = list(ids)
+        raise TypeError(f"{caller} expects a sequence of int ids, got {type(ids).__name__}")
+    out = []
     for i in ids:
-        if not isinstance(i, int) or isinstance(i, bool):
-            raise TypeError(f"decode() expects int ids, got {i!r} ({type(i).__name__})")
-    return ids
+        try:  # operator.index accepts exactly the integer types (numpy.int64, an int tensor), not 1.0
+            if isinstance(i, bool):
+                raise TypeError
+            out.append(operator.index(i))
+        except TypeError:
+            raise TypeError(f"{caller} expects int ids, got {i!r} ({type(i).__name__})") from None
+    return out
+
+
+def _lone_surrogate_error(text: str) -> ValueError:
+    """The error for text holding a lone surrogate (U+D800..U+DFFF), which has no UTF-8 bytes.
+
+    Python strings can hold one (from ``errors="surrogateescape"``, or a JSON ``"\\ud800"``
+    escape without its pair); HF ``tokenizers`` refuses such a str with a TypeError.
+    """
+    pos = next(i for i, char in enumerate(text) if "\ud800" <= char <= "\udfff")
+    return ValueError(
+        f"encode(): text[{pos}] is a lone surrogate U+{ord(text[pos]):04X}, which has no UTF-8 encoding "
+        f"(the text has {len(text)} characters)"
+    )

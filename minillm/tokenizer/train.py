@@ -19,7 +19,7 @@ from collections.abc import Iterable
 import regex
 from tqdm.auto import tqdm
 
-from minillm.tokenizer.bpe import Pair, Tokenizer, _merge
+from minillm.tokenizer.bpe import Pair, Tokenizer
 from minillm.tokenizer.pretokenize import GPT2_PATTERN, PreTokenizer
 
 
@@ -112,3 +112,19 @@ def _pop_most_frequent(heap: list[tuple[int, Pair]], pair_counts: dict[Pair, int
         if pair_counts.get(pair) == -neg_count:
             return pair
     return None
+
+
+def _merge(ids: list[int], pair: Pair, merged: int) -> list[int]:
+    """Replace every non-overlapping occurrence of ``pair`` (left to right) by ``merged``."""
+    a, b = pair
+    out: list[int] = []
+    i = 0
+    n = len(ids)
+    while i < n:
+        if i + 1 < n and ids[i] == a and ids[i + 1] == b:
+            out.append(merged)
+            i += 2
+        else:
+            out.append(ids[i])
+            i += 1
+    return out
