@@ -105,16 +105,18 @@ def generate(args: argparse.Namespace) -> None:
     if args.cache != "paged" and not (params.is_greedy and params.num_beams == 1 and params.n == 1):
         raise ValueError("--cache none/contiguous decode greedily only; sampling, beams and --n need --cache paged")
     model, tok = _load(args)
-    prompts = args.prompt
-    if args.chat:
-        prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False) for p in prompts]
+    if args.chat:  # the prompt is a user message: its text never parses as special tokens
+        prompt_ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+                      for p in args.prompt]
+    else:
+        prompt_ids = [tok.encode(p) for p in args.prompt]
     start = time.perf_counter()
     if args.cache == "paged":
         engine = Engine(model, tok, block_size=args.block_size)
-        results = [(c.text, c.token_ids) for c in engine.generate(prompts, params)]
+        results = [(c.text, c.token_ids) for c in engine.generate(prompt_ids, params)]
         originals = [p for p in args.prompt for _ in range(params.n)]
     else:
-        outputs = generate_greedy(model, [tok.encode(p) for p in prompts], params.max_new_tokens, tok.eos_id,
+        outputs = generate_greedy(model, prompt_ids, params.max_new_tokens, tok.eos_id,
                                   cache=args.cache, pad_id=tok.pad_id or 0)
         results = [(tok.decode(ids, skip_special_tokens=True), ids) for ids in outputs]
         originals = list(args.prompt)

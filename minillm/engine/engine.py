@@ -201,10 +201,13 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _chat_prompt(self, messages: Sequence[dict[str, str]]) -> str:
-        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        assert isinstance(prompt, str)
-        return prompt
+    def _chat_prompt(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """The conversation's token ids. Message text is encoded with special-token parsing off:
+        a user who types ``<|im_end|>`` gets those characters, not a forged end of turn (only
+        the template's own markers are special). Never re-encode the rendered string instead."""
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        assert isinstance(ids, list)
+        return ids
 
     # ------------------------------------------------------------------ requests
     def _params_per_prompt(
