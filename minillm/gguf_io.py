@@ -41,6 +41,15 @@ HEADER = struct.Struct("<4sIQQ")  # magic, version, tensor_count, kv_count
 SUPPORTED_VERSIONS = (2, 3)
 MAX_DIMS = 4  # GGML_MAX_DIMS: ggml tensors have at most 4 dimensions
 
+# Absolute caps, far above any real model, so that even a file whose sizes are all consistent
+# cannot make the reader build unbounded Python objects (each value becomes a Python str or
+# int, ~10x its size in the file; 2**21 short strings take ~120 MB). Real models: tens of
+# metadata keys, a few thousand tensors, and under a million metadata values (a byte-level
+# vocabulary, its token types and its merges).
+MAX_KEYS = 2**16
+MAX_TENSORS = 2**16
+MAX_VALUES = 2**21  # in all the metadata together (an array of n items counts n)
+
 # GGUF value types -> (name, numpy dtype); 8 = STRING and 9 = ARRAY have no fixed size.
 _STRING, _ARRAY = 8, 9
 _SCALARS: dict[int, tuple[str, np.dtype]] = {
@@ -122,9 +131,17 @@ class _Parser:
         self.bytes = np.frombuffer(buffer, dtype=np.uint8)
         self.size = len(buffer)
         self.pos = 0
+        self.items_left = MAX_VALUES
 
-    def fail(self, detail: str) -> FileFormatError:
-        return _bad(self.path, f"{detail}, at byte {self.pos:,} of {self.size:,}")
+    def fail(self, detail: str, at: int | None = None) -> FileFormatError:
+        return _bad(self.path, f"{detail}, at byte {self.pos if at is None else at:,} of {self.size:,}")
+
+    def take_items(self, count: int, key: str) -> None:
+        """Count ``count`` values against the file's allowance (``MAX_VALUES``)."""
+        if count > self.items_left:
+            raise self.fail(f"{key} has {count:,} values: more than the {MAX_VALUES:,} "
+                            "a GGUF file's metadata may hold in all")
+        self.items_left -= count
 
     def need(self, n: int, what: str) -> None:
         """Refuse to read ``n`` bytes that the file does not have."""
@@ -167,6 +184,7 @@ class _Parser:
         """``count`` fixed-size values of one type, read in one go (no loop in Python)."""
         type_name, dtype = _SCALARS[item_type]
         self.need(count * dtype.itemsize, f"{key} ({count:,} x {type_name})")
+        self.take_items(count, key)
         values = np.frombuffer(self.buffer, dtype=dtype, count=count, offset=self.pos)
         self.pos += count * dtype.itemsize
         return (values != 0 if item_type == _BOOL else values).tolist()
@@ -175,14 +193,39 @@ class _Parser:
         item_type = self.u32(f"the item type of {key}")
         count = self.u64(f"the item count of {key}")
         if item_type == _STRING:
-            # each string costs at least its 8-byte length: check the count before looping
-            self.need(count * 8, f"{key} ({count:,} strings)")
-            return [self.string(f"{key}[{i}]") for i in range(count)]
+            return self.strings(count, key)
         if item_type == _ARRAY:  # llama.cpp refuses nested arrays too
             raise self.fail(f"{key} is an array of arrays, which GGUF readers do not support")
         if item_type not in _SCALARS:
             raise self.fail(f"{key} is an array of unknown value type {item_type}")
         return self.items(item_type, count, key)
+
+    def strings(self, count: int, key: str) -> list[str]:
+        """``count`` strings in a row: the vocabulary and the merges, the one hot loop of the header.
+
+        Each string costs at least its 8-byte length, so the count is checked first; each length
+        is checked as it is read. The loop is written tight (no per-item method calls or
+        messages) because real files hold ~10^5 strings and a crafted one millions.
+        """
+        self.need(count * 8, f"{key} ({count:,} strings)")
+        self.take_items(count, key)
+        view, size, unpack = memoryview(self.buffer), self.size, _U64.unpack_from
+        out: list[str] = []
+        append = out.append
+        pos = self.pos
+        for i in range(count):
+            if size - pos < 8:
+                raise self.fail(f"the length of {key}[{i}] needs 8 bytes but only {size - pos} remain", at=pos)
+            end = pos + 8 + unpack(view, pos)[0]
+            if end > size:
+                raise self.fail(f"{key}[{i}] needs {end - pos - 8:,} bytes but only {size - pos - 8:,} remain", at=pos)
+            try:
+                append(str(view[pos + 8 : end], "utf-8"))
+            except UnicodeDecodeError as err:
+                raise self.fail(f"{key}[{i}] is not UTF-8 ({err.reason} at byte {err.start})", at=pos) from None
+            pos = end
+        self.pos = pos
+        return out
 
     # ------------------------------------------------------------------ tensors
     def tensor_info(self, index: int) -> tuple[str, tuple[int, ...], GGMLQuantizationType, int]:
@@ -234,6 +277,8 @@ class _Parser:
         if version not in SUPPORTED_VERSIONS:
             raise self.fail(f"version {version} (supported: {', '.join(map(str, SUPPORTED_VERSIONS))})")
         self.need(kv_count * _MIN_KV_BYTES, f"{kv_count:,} metadata key/values")
+        if kv_count > MAX_KEYS:
+            raise self.fail(f"{kv_count:,} metadata key/values, more than the {MAX_KEYS:,} a GGUF file may hold")
         fields: dict[str, Any] = {}
         for i in range(kv_count):
             key = self.string(f"metadata key #{i}")
@@ -241,6 +286,8 @@ class _Parser:
                 raise self.fail(f"metadata key {key!r} appears twice")
             fields[key] = self.value(self.u32(f"the value type of {key}"), key)
         self.need(tensor_count * _MIN_TENSOR_INFO_BYTES, f"{tensor_count:,} tensor descriptions")
+        if tensor_count > MAX_TENSORS:
+            raise self.fail(f"{tensor_count:,} tensors, more than the {MAX_TENSORS:,} a GGUF file may hold")
         infos = [self.tensor_info(i) for i in range(tensor_count)]
         alignment = fields.get("general.alignment", GGUF_DEFAULT_ALIGNMENT)
         if type(alignment) is not int or alignment <= 0 or alignment & (alignment - 1):  # bool is no alignment
