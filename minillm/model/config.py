@@ -18,6 +18,7 @@ SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
 # every integer only up to 2**24: beyond that, neighbouring positions would get the same angle.
 MAX_SIZE = 2**31 - 1
 MAX_POSITIONS = 2**24
+FLOAT32_MAX = 3.4028234663852886e38
 
 # What each field is called in a transformers config.json ...
 HF_NAMES = {
@@ -76,9 +77,9 @@ def _check_llama3(scaling: dict[str, Any]) -> None:
                           rope_scaling=scaling)
     if not all(_is_number(scaling[key]) for key in LLAMA3_KEYS):
         raise ConfigError("{rope_scaling}: %s must be finite numbers" % ", ".join(LLAMA3_KEYS), rope_scaling=scaling)
-    if not (scaling["factor"] > 0 and 0 < scaling["low_freq_factor"] < scaling["high_freq_factor"]
+    if not (scaling["factor"] >= 1 and 0 < scaling["low_freq_factor"] < scaling["high_freq_factor"]
             and scaling["original_max_position_embeddings"] >= 1):
-        raise ConfigError("{rope_scaling} needs factor > 0, 0 < low_freq_factor < high_freq_factor and "
+        raise ConfigError("{rope_scaling} needs factor >= 1, 0 < low_freq_factor < high_freq_factor and "
                           "original_max_position_embeddings >= 1", rope_scaling=scaling)
 
 
@@ -118,10 +119,13 @@ class ModelConfig:
             _check_int(name, getattr(self, name), low=1)
         _check_int("head_dim", self.head_dim, low=0)
         _check_int("max_position_embeddings", self.max_position_embeddings, low=1, high=MAX_POSITIONS)
-        if not (_is_number(self.rms_norm_eps) and self.rms_norm_eps >= 0):
-            raise ConfigError("{rms_norm_eps} must be a finite number >= 0", rms_norm_eps=self.rms_norm_eps)
-        if not (_is_number(self.rope_theta) and self.rope_theta > 0):
-            raise ConfigError("{rope_theta} must be a finite number > 0 (the RoPE base)", rope_theta=self.rope_theta)
+        if not (_is_number(self.rms_norm_eps) and 0 <= self.rms_norm_eps < 1):  # a guard against 0 / 0, ~1e-6
+            raise ConfigError("{rms_norm_eps} must be a number >= 0 and < 1", rms_norm_eps=self.rms_norm_eps)
+        if not (_is_number(self.rope_theta) and 1 <= self.rope_theta <= FLOAT32_MAX):
+            # the RoPE base: below 1 the frequencies exceed a radian per position (and overflow for
+            # tiny bases); above float32's range they all become 0 and positions are ignored
+            raise ConfigError("{rope_theta} must be a number from 1 to 3.4e38 (the RoPE base)",
+                              rope_theta=self.rope_theta)
         for name in ("tie_word_embeddings", "attention_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError("{%s} must be true or false" % name, **{name: getattr(self, name)})
