@@ -21,7 +21,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -46,9 +46,17 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 
 
+class TensorInfo(NamedTuple):
+    """What a file's header says about one tensor, and where: enough to check it against the config."""
+
+    shape: tuple[int, ...]
+    file: Path
+    stored_as: str  # its name in the file (``blk.0.attn_q.weight``, ``model.norm.weight``)
+
+
 def cache_dir() -> Path:
-    """Where converted models live: ``$MINILLM_CACHE`` or ``~/.cache/minillm``."""
-    return Path(os.environ.get("MINILLM_CACHE", Path.home() / ".cache" / "minillm"))
+    """Where converted models live: ``$MINILLM_CACHE`` (if set and not empty) or ``~/.cache/minillm``."""
+    return Path(os.environ.get("MINILLM_CACHE") or Path.home() / ".cache" / "minillm")
 
 
 def load_model(
@@ -66,6 +74,12 @@ def load_model(
         device: where the weights go (default: CUDA when available, else CPU).
         dtype: weight dtype, a ``torch.dtype`` or its name: float32 (the default), bfloat16,
             float16 or float64.
+
+    Raises:
+        FileNotFoundError: nothing at ``source``, or a file the checkpoint needs is missing.
+        FileFormatError: something in the files is wrong; the message names the file and the
+            field, tensor or shard, with the sizes involved.
+        TypeError, ValueError: a bad argument, named with the values accepted.
     """
     device = _device(device)
     dtype = _dtype(dtype)
@@ -124,9 +138,8 @@ def read_gguf(path: Path, progress: bool = True) -> tuple[ModelConfig, dict[str,
     tensors = gguf_tensors(path, reader)
     config = ModelConfig.from_gguf(fields, tokenizer.vocab_size,
                                    tie_word_embeddings="lm_head.weight" not in tensors, source=str(path))
-    shapes = {name: tuple(reversed(t.shape)) for name, t in tensors.items()}
-    layers_key = GGUF_NAMES["n_layers"].format(arch=config.architecture)
-    check_weights(path, config, shapes, layers_key, stored_as={name: t.name for name, t in tensors.items()})
+    infos = {name: TensorInfo(tuple(reversed(t.shape)), path, t.name) for name, t in tensors.items()}
+    check_weights(config, infos, path, path, GGUF_NAMES["n_layers"].format(arch=config.architecture))
     check_vocab(path, config, tokenizer)
     state = read_gguf_state_dict(path, tensors, config, progress)
     return config, state, tokenizer
@@ -235,7 +248,8 @@ def load_checkpoint(folder: Path, device: torch.device, dtype: torch.dtype) -> t
         raise FileNotFoundError(f"{folder} has no config.json: not an HF checkpoint folder")
     config = ModelConfig.from_hf(read_json(config_path, "config.json"), source=str(config_path))
     headers = safetensors_headers(folder)
-    check_weights(config_path, config, {name: shape for name, (_, _, shape) in headers.items()}, HF_NAMES["n_layers"])
+    files = {info.file for info in headers.values()}
+    check_weights(config, headers, config_path, files.pop() if len(files) == 1 else folder, HF_NAMES["n_layers"])
     if (folder / "tokenizer.json").exists():  # the tokenizer reads it; refuse a FIFO or device before it tries
         regular_file(folder / "tokenizer.json", "tokenizer file")
     tokenizer = Tokenizer.from_file(folder)
@@ -277,36 +291,35 @@ def shard_files(folder: Path) -> list[Path]:
     return files
 
 
-def safetensors_headers(folder: Path) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
-    """Name -> (file, dtype, shape) of every tensor of the checkpoint, read from the headers only.
+def safetensors_headers(folder: Path) -> dict[str, TensorInfo]:
+    """Every tensor of the checkpoint as its header describes it (no tensor data is read).
 
     Refuses dtypes that are not real-valued weights and a tensor stored in two shards.
     """
-    headers: dict[str, tuple[Path, str, tuple[int, ...]]] = {}
+    headers: dict[str, TensorInfo] = {}
     for file in shard_files(folder):
         try:
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():
                     info = f.get_slice(name)
-                    dtype, shape = info.get_dtype(), tuple(info.get_shape())
                     if name in headers:
-                        raise FileFormatError(f"{file}: tensor {name} is also in {headers[name][0].name}")
-                    if dtype not in FLOAT_DTYPES:
+                        raise FileFormatError(f"{file}: tensor {name} is also in {headers[name].file.name}")
+                    if info.get_dtype() not in FLOAT_DTYPES:
                         raise FileFormatError(
-                            f"{file}: tensor {name} is stored as {dtype}, not as floating-point weights "
+                            f"{file}: tensor {name} is stored as {info.get_dtype()}, not as floating-point weights "
                             f"({', '.join(sorted(FLOAT_DTYPES))}); a cast would silently change its values"
                         )
-                    headers[name] = (file, dtype, shape)
+                    headers[name] = TensorInfo(tuple(info.get_shape()), file, name)
         except (SafetensorError, OSError) as err:
             raise FileFormatError(f"{file}: not a readable safetensors file ({err})") from None
     return headers
 
 
-def read_safetensors(headers: dict[str, tuple[Path, str, tuple[int, ...]]]) -> dict[str, torch.Tensor]:
+def read_safetensors(headers: dict[str, TensorInfo]) -> dict[str, torch.Tensor]:
     """The tensors ``headers`` describes (memory-mapped reads, file by file)."""
     by_file: dict[Path, list[str]] = {}
-    for name, (file, _, _) in headers.items():
-        by_file.setdefault(file, []).append(name)
+    for name, info in headers.items():
+        by_file.setdefault(info.file, []).append(name)
     state: dict[str, torch.Tensor] = {}
     for file, names in by_file.items():
         try:
@@ -319,51 +332,54 @@ def read_safetensors(headers: dict[str, tuple[Path, str, tuple[int, ...]]]) -> d
 
 
 # --------------------------------------------------------------------------- checks and assembly
-def check_weights(
-    source: Path,
-    config: ModelConfig,
-    shapes: dict[str, tuple[int, ...]],
-    layers_key: str,
-    stored_as: dict[str, str] | None = None,
-) -> None:
-    """Check the tensors a file holds (names and shapes, from its header) against the config.
+def check_weights(config: ModelConfig, tensors: dict[str, TensorInfo], config_source: Path, weights_source: Path,
+                  layers_key: str) -> None:
+    """Check the tensors a checkpoint holds (``tensors``: transformers name -> header info) against
+    its config, before any tensor data is read or any module is built.
 
-    Runs before any tensor data is read or any module is built. The layer count comes first:
-    building even a shapes-only model takes time per layer, so a config claiming 200,000
-    layers over a file that holds 2 is refused before that. For the messages, ``layers_key`` is
-    the file's name for the layer count (``num_hidden_layers``) and ``stored_as`` maps tensor
-    names to the file's own (``layers.0.self_attn.q_proj.weight`` -> ``blk.0.attn_q.weight``).
+    The layer count comes first: building even a shapes-only model takes time per layer, so a
+    config claiming 200,000 layers over weights that hold 2 is refused before that. Messages name
+    ``config_source`` and its ``layers_key`` (``num_hidden_layers``) for the config's side, and
+    the file and stored name of a tensor for the weights' side.
     """
-    shapes = {name.removeprefix("model."): shape for name, shape in shapes.items()}
-    stored_as = {name.removeprefix("model."): stored for name, stored in (stored_as or {}).items()}
+    infos: dict[str, TensorInfo] = {}
+    for name, info in tensors.items():
+        short = name.removeprefix("model.")
+        if short in infos:
+            raise FileFormatError(
+                f"{info.file}: tensor {short} is stored twice ({infos[short].stored_as}, {info.stored_as})"
+            )
+        infos[short] = info
 
     def shown(name: str) -> str:
-        return f"{stored_as[name]} ({name})" if name in stored_as else name
+        stored = infos[name].stored_as
+        return stored if stored.removeprefix("model.") == name else f"{stored} ({name})"
 
-    layers = {name.split(".")[1] for name in shapes if name.startswith("layers.") and name.count(".") >= 2}
+    layers = {name.split(".")[1] for name in infos if name.startswith("layers.") and name.count(".") >= 2}
     if config.n_layers != len(layers):
         raise FileFormatError(
-            f"{source}: {layers_key}={config.n_layers:,} but the weights hold {len(layers):,} layers"
+            f"{config_source}: {layers_key}={config.n_layers:,} but the weights hold {len(layers):,} layers"
         )
     with torch.device("meta"):  # shapes only: no memory, no random init
         model = Transformer(config)
     expected = {name: tuple(p.shape) for name, p in model.named_parameters()}  # a tied lm_head is listed once
-    present = {name for name in shapes if not (config.tie_word_embeddings and name == "lm_head.weight")}
+    present = {name for name in infos if not (config.tie_word_embeddings and name == "lm_head.weight")}
     missing = sorted(set(expected) - present)
     if missing:
         more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
-        raise FileFormatError(f"{source}: missing tensor(s) {', '.join(missing[:3])}{more}")
+        raise FileFormatError(f"{weights_source}: missing tensor(s) {', '.join(missing[:3])}{more}")
     unexpected = sorted(name for name in present - set(expected) if not name.endswith("rotary_emb.inv_freq"))
     if unexpected:
         more = f" (and {len(unexpected) - 3} more)" if len(unexpected) > 3 else ""
         raise FileFormatError(
-            f"{source}: unexpected tensor(s) {', '.join(map(shown, unexpected[:3]))}{more} "
+            f"{weights_source}: unexpected tensor(s) {', '.join(map(shown, unexpected[:3]))}{more} "
             f"for a {config.architecture} model"
         )
     for name, shape in expected.items():
-        if shapes[name] != shape:
+        if infos[name].shape != shape:
             raise FileFormatError(
-                f"{source}: tensor {shown(name)} has shape {list(shapes[name])}, expected {list(shape)} from the config"
+                f"{infos[name].file}: tensor {shown(name)} has shape {list(infos[name].shape)}, "
+                f"expected {list(shape)} from {config_source.name}"
             )
 
 
