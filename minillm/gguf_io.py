@@ -40,6 +40,7 @@ from minillm.safe_io import open_regular
 HEADER = struct.Struct("<4sIQQ")  # magic, version, tensor_count, kv_count
 SUPPORTED_VERSIONS = (2, 3)
 MAX_DIMS = 4  # GGML_MAX_DIMS: ggml tensors have at most 4 dimensions
+MAX_NAME = 63  # GGML_MAX_NAME - 1: llama.cpp refuses longer tensor names too
 
 # Absolute caps, far above any real model, so that even a file whose sizes are all consistent
 # cannot make the reader build unbounded Python objects (each value becomes a Python str or
@@ -172,6 +173,7 @@ class _Parser:
 
     # ------------------------------------------------------------------ metadata
     def value(self, value_type: int, key: str) -> Any:
+        """The value of metadata ``key`` (as the messages show it), of GGUF type ``value_type``."""
         if value_type == _STRING:
             return self.string(f"the value of {key}")
         if value_type == _ARRAY:
@@ -230,6 +232,8 @@ class _Parser:
     # ------------------------------------------------------------------ tensors
     def tensor_info(self, index: int) -> tuple[str, tuple[int, ...], GGMLQuantizationType, int]:
         name = self.string(f"the name of tensor #{index}")
+        if len(name.encode()) > MAX_NAME:
+            raise self.fail(f"the name of tensor #{index} {name!r:.100} is longer than {MAX_NAME} bytes")
         n_dims = self.u32(f"the dimension count of tensor {name}")
         if not 1 <= n_dims <= MAX_DIMS:
             raise self.fail(f"tensor {name} declares {n_dims:,} dimensions (ggml tensors have 1 to {MAX_DIMS})")
@@ -282,9 +286,10 @@ class _Parser:
         fields: dict[str, Any] = {}
         for i in range(kv_count):
             key = self.string(f"metadata key #{i}")
+            shown = f"{key!r:.100}"  # quoted, and short: a key can be any UTF-8, of any length
             if key in fields:
-                raise self.fail(f"metadata key {key!r} appears twice")
-            fields[key] = self.value(self.u32(f"the value type of {key}"), key)
+                raise self.fail(f"metadata key {shown} appears twice")
+            fields[key] = self.value(self.u32(f"the value type of {shown}"), shown)
         self.need(tensor_count * _MIN_TENSOR_INFO_BYTES, f"{tensor_count:,} tensor descriptions")
         if tensor_count > MAX_TENSORS:
             raise self.fail(f"{tensor_count:,} tensors, more than the {MAX_TENSORS:,} a GGUF file may hold")

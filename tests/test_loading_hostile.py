@@ -283,7 +283,7 @@ def test_declared_sizes_never_drive_work_or_memory(tmp_path_factory, header):
     "body, says",
     [
         (struct.pack("<Q", 2**63) + b"key", "metadata key #0 needs 9,223,372,036,854,775,808 bytes"),
-        (struct.pack("<Q", 1) + b"a" + struct.pack("<IIQ", 9, 8, 2**62), "a (4,611,686,018,427,387,904 strings)"),
+        (struct.pack("<Q", 1) + b"a" + struct.pack("<IIQ", 9, 8, 2**62), "'a' (4,611,686,018,427,387,904 strings)"),
         (struct.pack("<Q", 1) + b"a" + struct.pack("<IIQ", 9, 9, 1), "an array of arrays"),
         (struct.pack("<Q", 1) + b"a" + struct.pack("<I", 77), "unknown value type 77"),
     ],
@@ -307,8 +307,10 @@ def test_each_declared_length_is_checked_before_it_is_used(tmp_path, body, says)
         (1, struct.pack("<Q", 1) + b"t" + struct.pack("<IQIQ", 1, 4, 0, 3), "not a multiple of the alignment"),
         (1, struct.pack("<Q", 1) + b"t" + struct.pack("<IQIQ", 1, 4, 99, 0), "unknown ggml type 99"),
         (1, struct.pack("<Q", 1) + b"t" + struct.pack("<IQIQ", 1, 31, 8, 0), "not whole Q8_0 blocks"),
+        (1, struct.pack("<Q", 1) + b"t" + struct.pack("<IQIQ", 1, 0, 0, 0), "has a dimension of 0"),
+        (1, struct.pack("<Q", 64) + b"t" * 64 + struct.pack("<IQIQ", 1, 4, 0, 0), "is longer than 63 bytes"),
     ],
-    ids=["count", "n-dims", "dims", "offset", "alignment", "type", "block"],
+    ids=["count", "n-dims", "dims", "offset", "alignment", "type", "block", "empty", "long-name"],
 )
 def test_tensor_descriptions_must_fit_in_the_file(tmp_path, tensor_count, info, says):
     path = tmp_path / "t.gguf"
@@ -624,8 +626,9 @@ def test_values_that_would_compute_wrong_numbers_are_refused(pristine, tmp_path,
         ({"llama.rope.dimension_count": 8}, {}, "llama.rope.dimension_count=8 differs from the head size 16"),
         ({}, {"rope_freqs.weight": np.ones(8, np.float32)}, r"unexpected tensor\(s\) rope_freqs.weight"),
         ({}, {"blk.0.attn_q.weight": np.ones((64, 64), np.int32)}, r"cannot read tensor blk\.0\.attn_q\.weight \(I32"),
+        ({}, {"output_norm.weight": np.full(64, np.inf, np.float32)}, "output_norm.weight .F32. holds NaN or infinite"),
     ],
-    ids=["rope-scaling", "partial-rotary", "rope-freqs-tensor", "integer-weights"],
+    ids=["rope-scaling", "partial-rotary", "rope-freqs-tensor", "integer-weights", "inf-weights"],
 )
 def test_gguf_features_minillm_would_ignore_are_refused(tmp_path, pristine, tiny_tokenizer, meta, tensors, says):  # noqa: F811
     path = write_gguf(tmp_path / "feature.gguf", pristine, tiny_tokenizer, meta=meta, tensors=tensors)

@@ -90,11 +90,16 @@ def read_gguf_state_dict(path: Path, tensors: dict[str, GGUFTensor], config: Mod
     for name, tensor in tqdm(tensors.items(), desc=f"dequantizing {path.name}", disable=not progress, unit="tensor"):
         shape = tuple(reversed(tensor.shape))  # GGUF lists dimensions innermost first
         try:
-            weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+            with np.errstate(all="ignore"):  # damaged scales overflow: the check below names the tensor
+                weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
         except (NotImplementedError, ValueError) as err:  # a tensor type gguf cannot dequantize (or integers)
             raise FileFormatError(
                 f"{path}: cannot read tensor {tensor.name} ({tensor.tensor_type.name}, shape {list(shape)}): {err}"
             ) from None
+        if not np.isfinite(weights).all():  # no trained weight is inf or NaN: the bytes are damaged
+            raise FileFormatError(
+                f"{path}: tensor {tensor.name} ({tensor.tensor_type.name}) holds NaN or infinite values"
+            )
         if config.architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
             weights = unpermute(weights, config.n_heads)
         elif config.architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):

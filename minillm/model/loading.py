@@ -193,7 +193,7 @@ def convert_gguf(path: Path, progress: bool = True) -> Path:
         (tmp / "config.json").write_text(json.dumps(config.to_hf(), indent=2))
         sizes = {name: (tmp / name).stat().st_size for name in CONVERTED_FILES}
         (tmp / STAMP).write_text(json.dumps({"format": STAMP_FORMAT, "source": source, "files": sizes}, indent=2))
-        _install(tmp, folder)
+        _install(tmp, folder, source)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -223,8 +223,11 @@ def _is_replaceable(folder: Path) -> bool:
     return {p.name for p in folder.iterdir()} <= {*CONVERTED_FILES, STAMP}
 
 
-def _install(tmp: Path, folder: Path) -> None:
+def _install(tmp: Path, folder: Path, source: dict[str, Any]) -> None:
     """Move a finished conversion into place, replacing a stale one (renames are atomic)."""
+    if _is_complete(folder, source):  # another process finished while this one converted
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
     stale = None
     if folder.exists():
         stale = Path(tempfile.mkdtemp(prefix=f".{folder.name}-stale-", dir=folder.parent))
