@@ -20,7 +20,7 @@ MAX_SIZE = 2**31 - 1
 MAX_POSITIONS = 2**24
 FLOAT32_MAX = 3.4028234663852886e38
 
-# What each field is called in a transformers config.json ...
+# What a field is called in a transformers config.json, where the name differs ...
 HF_NAMES = {
     "architecture": "model_type", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
     "n_kv_heads": "num_key_value_heads",
