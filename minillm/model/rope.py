@@ -20,7 +20,6 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> torch.Tensor:
@@ -48,27 +47,50 @@ def _llama3_scaling(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Te
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """Precomputed cos/sin tables for every position up to ``max_positions`` (rotate-half layout)."""
+    """cos and sin of the rotation angles (rotate-half layout), for the positions asked for.
 
-    cos: torch.Tensor
-    sin: torch.Tensor
+    Only the ``head_dim / 2`` frequencies are stored; each call computes ``position * frequency``
+    for the positions it gets, as transformers does. A precomputed table of every position up to
+    the context costs ``8 * head_dim`` bytes per position: hundreds of MB for a real 1M-token
+    context, and 4 TB for a config that claims 2**40 positions — allocated before a single token
+    is seen. Computing on demand gives the very same numbers (each angle is the same float32
+    product) and costs a few element-wise operations per forward pass.
+
+    ``cos`` and ``sin`` still give the whole ``[max_positions, head_dim]`` table, built when read:
+    the table is the clearest picture of RoPE, and notebook 04 compares its own against it.
+    """
+
+    inv_freq: torch.Tensor
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None = None):
         super().__init__()
-        inv_freq = rope_frequencies(head_dim, theta, scaling)
-        angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # [pos, head_dim/2]
-        angles = torch.cat([angles, angles], dim=-1)  # rotate-half: pair i sits at i and i + head_dim/2
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        self.max_positions = max_positions
+        self.register_buffer("inv_freq", rope_frequencies(head_dim, theta, scaling), persistent=False)
+
+    def angles(self, positions: torch.Tensor) -> torch.Tensor:
+        """Angles [..., head_dim] for integer ``positions`` [...]: pair i turns by ``position * inv_freq[i]``
+        and sits at coordinates i and i + head_dim/2 (rotate-half)."""
+        angles = positions.float()[..., None] * self.inv_freq
+        return torch.cat([angles, angles], dim=-1)
+
+    @property
+    def cos(self) -> torch.Tensor:
+        """The cos table of every position up to ``max_positions`` [max_positions, head_dim] (built on each read)."""
+        return self.angles(torch.arange(self.max_positions, device=self.inv_freq.device)).cos()
+
+    @property
+    def sin(self) -> torch.Tensor:
+        """The sin table of every position up to ``max_positions`` [max_positions, head_dim] (built on each read)."""
+        return self.angles(torch.arange(self.max_positions, device=self.inv_freq.device)).sin()
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for ``position_ids`` [batch, seq] -> each [batch, 1, seq, head_dim].
 
-        The tables stay float32; the result is cast to the caller's dtype as transformers does.
+        The angles are float32 whatever the model's dtype; the result is cast to the caller's
+        dtype, as transformers does.
         """
-        cos = F.embedding(position_ids, self.cos).unsqueeze(1).to(dtype)  # a row lookup, as for token ids
-        sin = F.embedding(position_ids, self.sin).unsqueeze(1).to(dtype)
-        return cos, sin
+        angles = self.angles(position_ids).unsqueeze(1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
