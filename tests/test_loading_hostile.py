@@ -874,8 +874,6 @@ def test_fuzz_gguf_model_metadata(pristine, tiny_tokenizer, tmp_path_factory, da
     _fuzz_gguf_values(MODEL_KEYS, pristine, tiny_tokenizer, tmp_path_factory.mktemp("fuzz"), data)
 
 
-@pytest.mark.xfail(reason="tokenizer side: tokenizer_from_gguf_fields (minillm/tokenizer/files.py) trusts the types "
-                          "of tokenizer.ggml.* values: raw TypeError/IndexError without the file name", strict=False)
 @given(data=st.data())
 @fuzz_settings(25)
 def test_fuzz_gguf_tokenizer_metadata(pristine, tiny_tokenizer, tmp_path_factory, data):  # noqa: F811
