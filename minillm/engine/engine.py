@@ -113,15 +113,22 @@ class Engine:
         eos_ids: Sequence[int] | None = None,
         compile: bool | None = None,
     ) -> None:
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        if kv_cache_tokens is not None and kv_cache_tokens < 1:
-            raise ValueError(f"kv_cache_tokens must be >= 1, got {kv_cache_tokens}")
+        max_batch_size = _positive_int("max_batch_size", max_batch_size)
+        block_size = _positive_int("block_size", block_size)
+        if kv_cache_tokens is not None:
+            kv_cache_tokens = _positive_int("kv_cache_tokens", kv_cache_tokens)
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         tokens = kv_cache_tokens or max_batch_size * 1024
-        self.cache = PagedKVCache(model.config, math.ceil(tokens / block_size), block_size, model.device, model.dtype)
+        num_blocks = math.ceil(tokens / block_size)
+        try:
+            self.cache = PagedKVCache(model.config, num_blocks, block_size, model.device, model.dtype)
+        except (MemoryError, RuntimeError) as err:  # the allocator's own message often names no size
+            gib = 2 * model.config.n_layers * (num_blocks + 1) * model.config.n_kv_heads * block_size \
+                * model.config.head_dim * model.dtype.itemsize / 2**30
+            raise ValueError(f"a KV cache of {tokens:,} tokens (kv_cache_tokens) needs {gib:,.1f} GiB on "
+                             f"{model.device}, which could not be allocated: ask for fewer tokens") from err
         self.runner = ModelRunner(model, self.cache, compile)
         default_eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
         self.eos_ids = frozenset(eos_ids if eos_ids is not None else default_eos)
@@ -141,8 +148,11 @@ class Engine:
     ) -> list[Completion]:
         """Complete every prompt (``params.n`` completions each, in prompt order). A prompt is a
         string, or a list of token ids (a pre-tokenized prompt, used as it is)."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
+        if not isinstance(prompts, Sequence) or isinstance(prompts, (bytes, bytearray)):
+            raise TypeError(f"prompts must be a list of prompts (each a str or a list of token ids), "
+                            f"got {type(prompts).__name__}")
         per_prompt = self._params_per_prompt(prompts, params)
         units: list[Unit] = []
         for prompt, ps in zip(prompts, per_prompt):
@@ -163,7 +173,7 @@ class Engine:
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> TextStream:
         """The completion's text as it is generated (complete characters only): iterate over
         the returned ``TextStream``; its ``completion`` (token ids, finish reason) is set at the end."""
-        params = params or SamplingParams()
+        params = self._params_per_prompt([prompt], params)[0]
         if params.num_beams > 1 or params.n > 1:
             raise ValueError("stream() serves one sampled completion: use num_beams=1 and n=1")
         return TextStream(self, self.add_request(prompt, params))
@@ -178,7 +188,7 @@ class Engine:
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> Request:
         """Queue one completion (``n=1``, no beams) for the next ``step()`` to admit; its
         ``output_ids``, ``text`` and ``finish_reason`` fill in as steps run."""
-        params = params or SamplingParams()
+        params = self._params_per_prompt([prompt], params)[0]
         if params.num_beams > 1 or params.n > 1:
             raise ValueError("add_request() queues one sampled completion: use num_beams=1 and n=1 "
                              "(generate() serves beams and n > 1)")
@@ -215,6 +225,9 @@ class Engine:
     ) -> list[SamplingParams]:
         if params is None or isinstance(params, SamplingParams):
             return [params or SamplingParams()] * len(prompts)
+        if not isinstance(params, Sequence) or not all(isinstance(p, SamplingParams) for p in params):
+            raise TypeError(f"params must be a SamplingParams or a list of them (one per prompt), "
+                            f"got {type(params).__name__}")
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         return list(params)
@@ -224,19 +237,27 @@ class Engine:
         return [p for p, ps in zip(prompts, per_prompt) for _ in range(1 if ps.num_beams > 1 else ps.n)]
 
     def _encode(self, prompt: Prompt, params: SamplingParams) -> list[int]:
+        context = self.model.config.max_position_embeddings
         if isinstance(prompt, str):
+            # Refuse by size before encoding: a token spans at most max_token_bytes bytes, so this
+            # many bytes cannot fit in the context whatever the merges (and encoding megabytes
+            # only to refuse them would take seconds).
+            at_least = len(prompt.encode("utf-8", "surrogatepass")) // self.tokenizer.max_token_bytes
+            if at_least > context:
+                raise ValueError(f"the prompt ({len(prompt):,} characters) is at least {at_least:,} tokens, "
+                                 f"more than the context window of {context}")
             prompt_ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        elif isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)) and \
+                all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             prompt_ids = list(prompt)
             vocab = self.model.config.vocab_size
             bad = [t for t in prompt_ids if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"token id {bad[0]} is outside the vocabulary (vocab_size {vocab})")
-        else:
+        else:  # bytes too: text must be decoded by the caller, who knows its encoding
             raise TypeError(f"a prompt must be a str or a list of token ids, got {type(prompt).__name__}")
         if not prompt_ids:
             raise ValueError("the prompt is empty: it needs at least one token")
-        context = self.model.config.max_position_embeddings
         if len(prompt_ids) + params.max_new_tokens > context:
             raise ValueError(
                 f"the prompt has {len(prompt_ids)} tokens; with max_new_tokens={params.max_new_tokens} "
@@ -444,6 +465,14 @@ class Engine:
     def _new_seq_id(self) -> int:
         self._next_seq_id += 1
         return self._next_seq_id - 1
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return value
 
 
 def _as_text(prompt: Prompt, tokenizer: Tokenizer) -> str:

@@ -99,8 +99,10 @@ class Transformer(torch.nn.Module):
                 position_ids = cache.positions(seq)
             else:
                 position_ids = torch.arange(seq, device=input_ids.device).expand(batch, seq)
-        elif not isinstance(position_ids, torch.Tensor) or position_ids.shape != input_ids.shape:
-            raise ValueError(f"position_ids must be a tensor shaped like input_ids {list(input_ids.shape)}")
+        else:
+            position_ids = self._check_positions(position_ids, input_ids.shape)
+        if cache is not None:
+            self._check_cache_dtype(cache)
         position_ids = position_ids.to(self.device)
         if int(position_ids.max()) >= self.config.max_position_embeddings:
             raise ValueError(
@@ -154,8 +156,9 @@ class Transformer(torch.nn.Module):
             )
         if input_ids.dim() == 1:
             input_ids = input_ids[None]
-        if input_ids.dim() != 2 or input_ids.shape[1] == 0:
-            raise ValueError(f"input_ids must have shape [batch, seq] with seq >= 1, got {list(input_ids.shape)}")
+        if input_ids.dim() != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+            raise ValueError(f"input_ids must have shape [batch, seq] with batch >= 1 and seq >= 1, "
+                             f"got {list(input_ids.shape)}")
         if input_ids.shape[1] > self.config.max_position_embeddings:
             raise ValueError(
                 f"the prompt has {input_ids.shape[1]} tokens, more than the context window of "
@@ -177,4 +180,24 @@ class Transformer(torch.nn.Module):
                 f"attention_mask has shape {list(attention_mask.shape)}, expected {[batch, length]} "
                 "(batch, cached + new tokens)"
             )
+        if attention_mask.dtype.is_complex or ((attention_mask != 0) & (attention_mask != 1)).any():
+            # 2 or 0.5 would be read as "real token" by some steps and scaled by others: refuse.
+            raise ValueError(f"attention_mask must hold only 0 (padding) and 1 (real token), got values "
+                             f"{sorted(set(attention_mask.flatten().tolist()))[:6]}")
         return attention_mask.to(self.device)
+
+    @staticmethod
+    def _check_positions(position_ids: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        if not isinstance(position_ids, torch.Tensor) or position_ids.shape != shape:
+            raise ValueError(f"position_ids must be a tensor shaped like input_ids {list(shape)}")
+        if position_ids.dtype not in (torch.long, torch.int32):
+            raise TypeError(f"position_ids must be integers (a position is a token index), got dtype {position_ids.dtype}")
+        if int(position_ids.min()) < 0:
+            raise ValueError(f"position_ids must be >= 0, got {int(position_ids.min())}")
+        return position_ids
+
+    def _check_cache_dtype(self, cache: KVCache) -> None:
+        pools = getattr(cache, "k", None) or getattr(cache, "k_pools", None)
+        if pools and pools[0].dtype != self.dtype:
+            raise TypeError(f"the KV cache holds {pools[0].dtype} but the model computes in {self.dtype}: "
+                            "build the cache with the model's dtype")

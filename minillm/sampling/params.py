@@ -47,7 +47,7 @@ def _as_stop(value: Any) -> tuple[str, ...]:
     # A single string is one stop string, not a sequence of one-character stop strings.
     if isinstance(value, str):
         value = (value,)
-    if not isinstance(value, Sequence):
+    if not isinstance(value, Sequence) or isinstance(value, (bytes, bytearray)):
         raise TypeError(f"stop must be a str or a list of str, got {value!r} ({type(value).__name__})")
     for s in value:
         if not isinstance(s, str):

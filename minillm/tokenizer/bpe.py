@@ -142,6 +142,9 @@ class Tokenizer:
         for content, i in self.special_tokens.items():
             self._id_to_bytes[i] = content.encode("utf-8")
         self._special_ids = frozenset(self.special_tokens.values())
+        # The longest token in bytes: text of n bytes is at least n / max_token_bytes tokens,
+        # which lets a caller refuse a prompt too long for a context before encoding it.
+        self.max_token_bytes = max(len(data) for data in self._id_to_bytes if data is not None)
         # For _special_spans: the characters a special token can start with, and the lengths
         # of special tokens, longest first.
         first_chars = "".join(sorted({content[0] for content in self.special_tokens}))
