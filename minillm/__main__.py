@@ -132,29 +132,66 @@ def generate(args: argparse.Namespace) -> None:
 
 
 def chat(args: argparse.Namespace) -> None:
-    """An interactive streaming chat: type a message, read the answer as it is generated."""
+    """An interactive streaming chat: type a message, read the answer as it is generated.
+
+    Ctrl-C during an answer stops that answer (the conversation goes on without it); Ctrl-C
+    or Ctrl-D at the prompt quits. When the conversation no longer fits the context window,
+    the oldest turns are dropped (and the user is told), so a long chat never ends in an error.
+    """
     from minillm.engine import Engine
 
     params = _sampling_params(args)
     model, tok = _load(args)
     engine = Engine(model, tok)
     messages: list[dict[str, str]] = []
-    print("minillm chat — an empty line or Ctrl-D quits.", file=sys.stderr)
+    print("minillm chat — an empty line, Ctrl-D or Ctrl-C quits; Ctrl-C during an answer stops it.", file=sys.stderr)
     while True:
         try:
             line = input("you> ")
-        except EOFError:
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
             break
         if not line.strip():
             break
         messages.append({"role": "user", "content": line})
+        dropped = _fit_context(messages, tok, model.config.max_position_embeddings - params.max_new_tokens)
+        if dropped is None:
+            print("minillm: that message alone does not fit the context window; try a shorter one", file=sys.stderr)
+            continue
+        if dropped:
+            print(f"minillm: the conversation outgrew the context window: dropped its {dropped} oldest message(s)",
+                  file=sys.stderr)
         print("assistant> ", end="", flush=True)
         answer = ""
-        for delta in engine.stream_chat(messages, params):
-            answer += delta
-            print(delta, end="", flush=True)
+        stream = engine.stream_chat(messages, params)
+        try:
+            for delta in stream:
+                answer += delta
+                print(delta, end="", flush=True)
+        except KeyboardInterrupt:
+            stream.close()  # the request ends here and its KV blocks are freed
+            print(" [stopped]", flush=True)
+            messages.pop()  # an interrupted exchange is not part of the conversation
+            continue
         print()
         messages.append({"role": "assistant", "content": answer})
+
+
+def _fit_context(messages: list[dict[str, str]], tok: Tokenizer, budget: int) -> int | None:
+    """Make the conversation's prompt fit in ``budget`` tokens by dropping its oldest
+    non-system messages; return how many were dropped. If the newest message does not fit
+    even alone (with the system messages), remove just it and return None: the rest of the
+    conversation stays."""
+    system = [m for m in messages if m["role"] == "system"]
+    if len(tok.apply_chat_template(system + messages[-1:], add_generation_prompt=True)) > budget:
+        messages.pop()
+        return None
+    dropped = 0
+    while len(tok.apply_chat_template(messages, add_generation_prompt=True)) > budget:
+        oldest = next(i for i, m in enumerate(messages) if m["role"] != "system")
+        del messages[oldest]
+        dropped += 1
+    return dropped
 
 
 def _positive(value: str) -> int:
@@ -233,6 +270,14 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("MINILLM_DEBUG"):
             raise
         print(f"minillm: error: {err}", file=sys.stderr)  # the message names the problem; no traceback
+        return 1
+    except KeyboardInterrupt:
+        print("minillm: interrupted", file=sys.stderr)
+        return 130  # the shell's convention for "ended by SIGINT"
+    except BrokenPipeError:
+        # The reader went away (`... | head`): stop quietly, and point stdout at /dev/null so
+        # Python's own flush at exit does not raise the same error again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     return 0
 
