@@ -37,6 +37,21 @@ def test_linear_one_row_compiled_equals_f_linear():
 
 
 # --------------------------------------------------------------------------- tiny checkpoints
+@pytest.mark.parametrize("rows, d_out, d_in", [(2, 7, 5), (8, 1536, 576), (16, 300, 64), (3, 49152, 64)])
+def test_small_batch_linear_is_f_linear(rows, d_out, d_in):
+    """The oneDNN product batched decode steps use equals F.linear to float32 rounding."""
+    from minillm.model.layers import small_batch_linear
+
+    torch.manual_seed(rows)
+    x, weight = torch.randn(rows, d_in), torch.randn(d_out, d_in)
+    exact = torch.nn.functional.linear(x.double(), weight.double())
+    # Any order of float32 multiply-adds over d_in terms is within gamma_n * sum|x_i w_i| of the
+    # exact dot product (Higham's bound, u = 2**-24), plus the final rounding.
+    u = 2.0**-24
+    bound = d_in * u / (1 - d_in * u) * (x.abs().double() @ weight.abs().double().T) + u * exact.abs()
+    assert ((small_batch_linear(x, weight).double() - exact).abs() <= bound).all()
+
+
 def test_compiled_engine_equals_eager_engine_and_compiles_two_programs(tiny_llama):
     """Mixed prompt lengths, batch sizes 1..4, growing block tables, three block sizes and pool
     sizes: one program for a single row and one for every other shape, never one per size."""
