@@ -51,6 +51,7 @@ bench: setup
 	$(PYTHON) -m minillm bench cache
 	$(PYTHON) -m minillm bench batching
 	$(PYTHON) -m minillm bench context
+	$(PYTHON) -m minillm bench latency
 	$(PYTHON) -m minillm bench load
 
 clean:
