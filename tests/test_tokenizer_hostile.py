@@ -16,7 +16,6 @@ import os
 import random
 import string
 import threading
-import time
 import tracemalloc
 from pathlib import Path
 
@@ -65,24 +64,13 @@ def test_merging_one_long_chunk_costs_a_constant_number_of_lookups_per_byte(gpt2
     assert table.lookups <= 6 * n
 
 
-def test_200_kb_without_a_space_encodes_like_hf_and_within_20x_its_time(pair):
-    """One 200 KB chunk (random letters, no spaces): identical ids, and the time stays a small
-    multiple of HF's measured in the same test (the quadratic merge loop took ~1000x)."""
+def test_200_kb_without_a_space_encodes_like_hf(pair):
+    """One 200 KB chunk (random letters, no spaces) gives HF's ids. Its speed is a law above
+    (merge-table lookups per byte are bounded), not a wall-clock assertion: timings belong in
+    the benchmarks, where they are compared, never in a test that must pass on any machine."""
     ours, hf = pair
     text = random_letters(200_000, seed=1)
-
-    def best_of_two(encode):
-        times = []
-        for _ in range(2):
-            start = time.perf_counter()
-            ids = encode(text)
-            times.append(time.perf_counter() - start)
-        return ids, min(times)
-
-    our_ids, our_time = best_of_two(ours.encode)
-    hf_ids_, hf_time = best_of_two(lambda t: hf_ids(hf, t))
-    assert our_ids == hf_ids_
-    assert our_time <= 20 * hf_time + 0.05, f"minillm {our_time:.3f} s vs HF {hf_time:.3f} s"
+    assert ours.encode(text) == hf_ids(hf, text)
 
 
 # Long chunks over few letters: many equal pairs overlap, so the order of merges (lowest rank
