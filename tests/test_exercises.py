@@ -102,14 +102,15 @@ class _Unequal:
 @pytest.mark.parametrize(
     "fn, equal",
     [
-        (lambda: _Unequal(), None),  # == raises
+        (lambda: _Unequal(), None),  # == raises (against another _Unequal, so the types agree)
         (lambda: 1, lambda got, want: 1 / 0),  # the custom comparison raises
         (lambda: [1, 2], lambda got, want: got.shape == want.shape),  # AttributeError in equal
     ],
     ids=["eq-raises", "equal-raises", "equal-attribute-error"],
 )
 def test_failing_comparison_is_reported_not_raised(capsys, fn, equal):
-    assert check("cmp", fn, [((), 1)], equal=equal) is False
+    expected = _Unequal() if equal is None else 1
+    assert check("cmp", fn, [((), expected)], equal=equal) is False
     out = capsys.readouterr().out
     assert "❌ cmp" in out
     assert "comparing the result failed" in out
@@ -138,3 +139,135 @@ def test_stops_at_the_first_failure(capsys):
     check("add", add, CASES)
     assert calls == [(1, 1)]
     assert capsys.readouterr().out.count("❌") == 1
+
+
+# --- the shared engine: tiers, tensors, classic mistakes, rules ---------------------------------
+
+import torch  # noqa: E402
+
+from minillm.exercises import Mistake, forbid_calls, nb03  # noqa: E402
+
+
+def test_hints_reveal_in_tiers(capsys):
+    hints = ["first nudge", "second nudge", "nearly the answer"]
+    check("add", lambda a, b: 0, CASES, hints=hints)
+    out = capsys.readouterr().out
+    assert "nudge" not in out and "hint=1 (3 hints in all)" in out
+    check("add", lambda a, b: 0, CASES, hint=2, hints=hints)
+    out = capsys.readouterr().out
+    assert "Hint 1/3: first nudge" in out and "Hint 2/3: second nudge" in out
+    assert "nearly" not in out and "hint=3" in out
+    check("add", lambda a, b: 0, CASES, hint=9, hints=hints)
+    out = capsys.readouterr().out
+    assert "Hint 3/3: nearly the answer" in out and "Stuck?" not in out
+
+
+@pytest.mark.parametrize(
+    "got, want, says",
+    [
+        ([1, 2], (1, 2), "expected a tuple, got a list"),
+        (torch.zeros(2, 3), torch.zeros(3, 2), "shape (2, 3) instead of (3, 2)"),
+        (torch.zeros(2, dtype=torch.float64), torch.zeros(2), "dtype torch.float64 instead of torch.float32"),
+        (torch.tensor([1.0, 2.5, 3.0]), torch.tensor([1.0, 2.0, 3.0]), "max |difference| 0.5 at index (1,)"),
+        (torch.tensor([[True, False], [True, True]]), torch.ones(2, 2, dtype=torch.bool), "1 of 4 entries differ; the first at index (0, 1)"),
+        (2, 2.5, "off by 0.5"),
+        ([1, 2, 4], [1, 2, 3], "first difference at index 2: 4 instead of 3"),
+    ],
+    ids=["tuple-vs-list", "shape", "dtype", "float-values", "bool-values", "float", "list"],
+)
+def test_the_difference_is_described(capsys, got, want, says):
+    assert check("f", lambda: got, [((), want)]) is False
+    assert says in capsys.readouterr().out
+
+
+def test_floats_compare_within_atol_and_ints_exactly(capsys):
+    assert check("f", lambda: torch.tensor([1.0 + 1e-7]), [((), torch.tensor([1.0]))]) is True
+    assert check("f", lambda: torch.tensor([2]), [((), torch.tensor([1]))]) is False
+
+
+def test_a_classic_mistake_is_named(capsys):
+    mistakes = [Mistake(lambda a, b: a - b, "you subtracted"), Mistake(lambda a, b: a * b, "you multiplied")]
+    check("add", lambda a, b: a * b, [((2, 3), 5)], mistakes=mistakes)
+    out = capsys.readouterr().out
+    assert "🔎 you multiplied" in out and "subtracted" not in out
+
+
+def test_a_rule_fails_a_right_answer_computed_the_forbidden_way(capsys):
+    rule = forbid_calls({"repeat_interleave": "no copies"})
+    x = torch.arange(3)
+    assert check("r", lambda t: t.repeat_interleave(2), [((x,), torch.tensor([0, 0, 1, 1, 2, 2]))], rules=[rule]) is False
+    assert "values are right, but it calls `repeat_interleave`: no copies" in capsys.readouterr().out
+    assert check("r", lambda t: t[:, None].expand(3, 2).flatten(), [((x,), torch.tensor([0, 0, 1, 1, 2, 2]))],
+                 rules=[forbid_calls({}, broadcast_copy="expanded")]) is False
+    assert "copies an expanded view: expanded" in capsys.readouterr().out
+
+
+# --- notebook 03 ---------------------------------------------------------------------------------
+
+
+def _mask_right(am, q_len, k_len):
+    q_pos = torch.arange(k_len - q_len, k_len)[:, None]
+    mask = (torch.arange(k_len)[None, :] <= q_pos)[None, None] & am[:, None, None, :].bool()
+    return mask | ~mask.any(-1, keepdim=True)
+
+
+def _mask_off_by_one(am, q_len, k_len):
+    q_pos = torch.arange(k_len - q_len, k_len)[:, None]
+    mask = (torch.arange(k_len)[None, :] < q_pos)[None, None] & am[:, None, None, :].bool()
+    return mask | ~mask.any(-1, keepdim=True)
+
+
+def _mask_at_start(am, q_len, k_len):
+    mask = torch.ones(q_len, k_len, dtype=torch.bool).tril()[None, None] & am[:, None, None, :].bool()
+    return mask | ~mask.any(-1, keepdim=True)
+
+
+def test_nb03_mask_right_answer_passes(capsys):
+    assert nb03.check_padding_causal_mask(_mask_right) is True
+
+
+@pytest.mark.parametrize(
+    "wrong, says",
+    [(_mask_off_by_one, "hides the diagonal"), (_mask_at_start, "the *last* q_len")],
+    ids=["off-by-one", "queries-at-start"],
+)
+def test_nb03_mask_mistakes_are_named(capsys, wrong, says):
+    assert nb03.check_padding_causal_mask(wrong) is False
+    assert says in capsys.readouterr().out
+
+
+def _gqa_broadcast(q, k, v, mask):
+    b, h, t, d = q.shape
+    qg = q.view(b, k.shape[1], h // k.shape[1], t, d)
+    scores = (qg @ k[:, :, None].transpose(-2, -1)) / d**0.5
+    weights = torch.softmax(scores.masked_fill(~mask[:, :, None], float("-inf")), dim=-1)
+    return (weights @ v[:, :, None]).reshape(b, h, t, d)
+
+
+def _gqa_with(expand_kv):
+    def gqa(q, k, v, mask):
+        groups = q.shape[1] // k.shape[1]
+        k, v = expand_kv(k, groups), expand_kv(v, groups)
+        scores = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5
+        return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ v
+
+    return gqa
+
+
+def test_nb03_gqa_broadcast_passes(capsys):
+    assert nb03.check_gqa_attention(_gqa_broadcast) is True
+
+
+@pytest.mark.parametrize(
+    "wrong, says",
+    [
+        (_gqa_with(lambda x, n: x.repeat(1, n, 1, 1)), "not `repeat`"),
+        (_gqa_with(lambda x, n: x.repeat_interleave(n, dim=1)), "it calls `repeat_interleave`"),
+        (_gqa_with(lambda x, n: x[:, :, None].expand(-1, -1, n, -1, -1).reshape(x.shape[0], -1, *x.shape[2:])),
+         "copies an expanded view"),
+    ],
+    ids=["repeat-vs-repeat_interleave", "copy-by-repeat_interleave", "copy-by-expand-reshape"],
+)
+def test_nb03_gqa_mistakes_are_named(capsys, wrong, says):
+    assert nb03.check_gqa_attention(wrong) is False
+    assert says in capsys.readouterr().out

@@ -1,0 +1,158 @@
+"""Exercises of notebook 03 (attention): the causal + padding mask, and GQA without copies.
+
+The expected answers come from the package (``minillm.model.attention``); each classic mistake
+is written out as the function a learner would write, so a wrong answer of that kind is named.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from minillm.exercises import Mistake, check, forbid_calls
+from minillm.model.attention import attention_explicit, build_mask, repeat_kv
+
+MaskFn = Callable[[torch.Tensor, int, int], torch.Tensor]
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _mask_cases() -> list[tuple[tuple[torch.Tensor, int, int], torch.Tensor]]:
+    no_pad = torch.ones(1, 4, dtype=torch.long)
+    left_padded = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
+    decode = torch.tensor([[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])  # 1 new query over 6 keys
+    chunk = torch.tensor([[0, 0, 0, 1, 1, 1, 1]])  # 3 new queries over 7 keys
+    cases = [(no_pad, 4, 4), (left_padded, 5, 5), (decode, 1, 6), (chunk, 3, 7)]
+    return [((am, q_len, k_len), build_mask(am, q_len, k_len, torch.device("cpu"))) for am, q_len, k_len in cases]
+
+
+def _diagonal_hidden(am: torch.Tensor, q_len: int, k_len: int) -> torch.Tensor:
+    q_pos = torch.arange(k_len - q_len, k_len)[:, None]
+    mask = (torch.arange(k_len)[None, :] < q_pos)[None, None] & am[:, None, None, :].bool()
+    return mask | ~mask.any(-1, keepdim=True)
+
+
+def _queries_at_start(am: torch.Tensor, q_len: int, k_len: int) -> torch.Tensor:
+    mask = torch.ones(q_len, k_len, dtype=torch.bool).tril()[None, None] & am[:, None, None, :].bool()
+    return mask | ~mask.any(-1, keepdim=True)
+
+
+def _no_padding(am: torch.Tensor, q_len: int, k_len: int) -> torch.Tensor:
+    return build_mask(None, q_len, k_len, torch.device("cpu")).expand(am.shape[0], 1, q_len, k_len)
+
+
+def _nan_rows_left(am: torch.Tensor, q_len: int, k_len: int) -> torch.Tensor:
+    q_pos = torch.arange(k_len - q_len, k_len)[:, None]
+    return (torch.arange(k_len)[None, :] <= q_pos)[None, None] & am[:, None, None, :].bool()
+
+
+def _padding_on_queries(am: torch.Tensor, q_len: int, k_len: int) -> torch.Tensor:
+    q_pos = torch.arange(k_len - q_len, k_len)[:, None]
+    causal = (torch.arange(k_len)[None, :] <= q_pos)[None, None]
+    return causal & am[:, None, -q_len:, None].bool()
+
+
+MASK_MISTAKES = [
+    Mistake(_diagonal_hidden, "your mask hides the diagonal (k < q instead of k <= q): a token must see itself."),
+    Mistake(
+        _queries_at_start,
+        "your queries sit at positions 0..q_len-1; in decoding they are the *last* q_len of the k_len "
+        "positions (query i is at position k_len - q_len + i).",
+    ),
+    Mistake(_no_padding, "the padding is ignored: keys whose attention_mask is 0 must be hidden from every query."),
+    Mistake(
+        _nan_rows_left,
+        "a left-pad query row sees no key at all, so its softmax is 0/0 = NaN; let such a row see "
+        "everything (its output is ignored) — `mask | ~mask.any(-1, keepdim=True)`.",
+    ),
+    Mistake(_padding_on_queries, "you masked the padded *queries* (rows); padding hides *keys* (columns)."),
+]
+
+MASK_HINTS = [
+    "Build the causal part first: query i sits at position k_len - q_len + i and sees keys j <= that position.",
+    "torch.arange(k_len - q_len, k_len)[:, None] against torch.arange(k_len)[None, :] gives [q_len, k_len]; "
+    "attention_mask[:, None, None, :] broadcasts the padding over heads and queries.",
+    "mask = causal[None, None] & attention_mask[:, None, None, :].bool(); then "
+    "mask | ~mask.any(dim=-1, keepdim=True) so no row is all False.",
+]
+
+
+def check_padding_causal_mask(fn: MaskFn, hint: int = 0) -> bool:
+    """``fn(attention_mask [batch, k_len], q_len, k_len)`` -> bool ``[batch, 1, q_len, k_len]``."""
+    return check("padding_causal_mask", fn, _mask_cases(), hint=hint, hints=MASK_HINTS, mistakes=MASK_MISTAKES)
+
+
+def _gqa_cases() -> list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
+    cases = []
+    # batch, n_heads, n_kv_heads, seq, head_dim: GQA 4/2, SmolLM2's 9/3, plain multi-head, multi-query
+    for seed, (batch, n_heads, n_kv_heads, seq, head_dim) in enumerate(
+        [(1, 4, 2, 5, 8), (2, 9, 3, 6, 16), (1, 3, 3, 4, 8), (1, 4, 1, 3, 8)]
+    ):
+        g = torch.Generator().manual_seed(seed)
+        q = torch.randn(batch, n_heads, seq, head_dim, generator=g)
+        k = torch.randn(batch, n_kv_heads, seq, head_dim, generator=g)
+        v = torch.randn(batch, n_kv_heads, seq, head_dim, generator=g)
+        mask = build_mask(None, seq, seq, torch.device("cpu"))
+        groups = n_heads // n_kv_heads
+        want = attention_explicit(q, repeat_kv(k, groups), repeat_kv(v, groups), mask)
+        cases.append(((q, k, v, mask), want))
+    return cases
+
+
+def _gqa_tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """KV heads tiled (0,1,2,0,1,2,...) instead of grouped (0,0,0,1,1,1,...)."""
+    groups = q.shape[1] // k.shape[1]
+    return attention_explicit(q, k.repeat(1, groups, 1, 1), v.repeat(1, groups, 1, 1), mask)
+
+
+def _gqa_unscaled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    groups = q.shape[1] // k.shape[1]
+    return attention_explicit(q * q.shape[-1] ** 0.5, repeat_kv(k, groups), repeat_kv(v, groups), mask)
+
+
+def _gqa_unmasked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    groups = q.shape[1] // k.shape[1]
+    return attention_explicit(q, repeat_kv(k, groups), repeat_kv(v, groups), torch.ones_like(mask))
+
+
+def _gqa_softmax_over_queries(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    groups = q.shape[1] // k.shape[1]
+    scores = q @ repeat_kv(k, groups).transpose(-2, -1) / q.shape[-1] ** 0.5
+    return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-2).nan_to_num() @ repeat_kv(v, groups)
+
+
+GQA_MISTAKES = [
+    Mistake(
+        _gqa_tiled,
+        "query head h must use KV head h // groups (heads 0,1,2 share KV head 0): that is `repeat_interleave`, "
+        "not `repeat`, which tiles them 0,1,2,0,1,2.",
+    ),
+    Mistake(_gqa_unscaled, "the scores are not divided by sqrt(head_dim)."),
+    Mistake(_gqa_unmasked, "the mask is not applied: every query sees the future."),
+    Mistake(_gqa_softmax_over_queries, "the softmax runs over the queries (dim=-2); each query's weights over the keys (dim=-1) must sum to 1."),
+]
+
+GQA_HINTS = [
+    "Group the query heads by the KV head they share: q.view(batch, n_kv_heads, groups, seq, head_dim).",
+    "k[:, :, None] has shape [batch, n_kv_heads, 1, seq, head_dim] and broadcasts over the group in a matmul: "
+    "no copy of K is made.",
+    "scores = qg @ k[:, :, None].transpose(-2, -1) / sqrt(head_dim); masked_fill(~mask, -inf); softmax(dim=-1); "
+    "@ v[:, :, None]; reshape back to [batch, n_heads, seq, head_dim].",
+]
+
+NO_COPY = forbid_calls(
+    {
+        "repeat_interleave": "that makes groups copies of K and V; broadcast a view instead (k[:, :, None]).",
+        "repeat": "that copies K and V (and tiles the heads in the wrong order).",
+        "tile": "that copies K and V; broadcast a view instead.",
+        "scaled_dot_product_attention": "write the scores, the mask and the softmax yourself.",
+    },
+    broadcast_copy="reshaping k.expand(...) to n_heads heads copies K; keep the group dimension and let the matmul broadcast.",
+)
+
+
+def check_gqa_attention(fn: AttentionFn, hint: int = 0) -> bool:
+    """``fn(q [b, n_heads, t, d], k, v [b, n_kv_heads, t, d], mask)`` -> ``[b, n_heads, t, d]``, no K/V copies."""
+    return check(
+        "gqa_attention", fn, _gqa_cases(), hint=hint, hints=GQA_HINTS, mistakes=GQA_MISTAKES, rules=[NO_COPY]
+    )
