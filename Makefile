@@ -41,7 +41,11 @@ fuzz: setup
 	MINILLM_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PYTHON) -m pytest tests/test_loading_hostile.py -q \
 		-k "fuzz or any_ or declared_sizes" --hypothesis-show-statistics
 
+# JupyterLab draws a saved widget (and other rich output) only in a notebook this user trusts;
+# trusting is a signature in the user's Jupyter data dir, so it is redone on each start (a
+# re-executed notebook needs a new one). Checked in Chromium by tests/browser/check_lab.py.
 lab: setup
+	$(PYTHON) -m jupyter trust notebooks/*.ipynb
 	$(PYTHON) -m jupyter lab notebooks
 
 bench: setup
