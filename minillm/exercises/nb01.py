@@ -1,0 +1,406 @@
+"""Exercises of notebook 01 (BPE from scratch): UTF-8 lengths, the incremental merge update,
+a token's bytes from the merges, and encoding by merge rank.
+
+The expected answers come from the package where it has the piece (``minillm.train_bpe``'s
+merges and vocabulary, ``Tokenizer.encode``, the trainer's ``_merge``); each classic mistake is
+written out as the function a learner would write, so a wrong answer of that kind is named.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from functools import cache
+from typing import Any
+
+from minillm.assets import corpus_path
+from minillm.exercises import Mistake, check
+from minillm.tokenizer import PreTokenizer, Tokenizer, train_bpe
+from minillm.tokenizer.train import _merge, count_chunks
+
+Pair = tuple[int, int]
+Delta = dict[Pair, int]
+MergeWordFn = Callable[[list[int], int, Pair, int], tuple[list[int], Delta]]
+
+
+@cache
+def _trained() -> Tokenizer:
+    """A small tokenizer trained by the package on a slice of the course's corpus (~0.3 s)."""
+    return train_bpe(_training_text(), 256 + 120, progress=False)
+
+
+@cache
+def _training_text() -> str:
+    return corpus_path().read_text(encoding="utf-8")[200_000:230_000]
+
+
+# --- exercise 1: utf8_len ------------------------------------------------------------------------
+
+
+def _utf8_cases() -> list[tuple[tuple[str], int]]:
+    family = "\U0001f468\u200d\U0001f469\u200d\U0001f467\u200d\U0001f466"  # 7 code points, 25 bytes
+    texts = ["hello", "café", "苹果手机很好用", family, "", "\x7f\x80\u07ff\u0800\uffff\U00010000"]
+    return [((s,), len(s.encode("utf-8"))) for s in texts]
+
+
+def _utf8_one_per_char(s: str) -> int:
+    return len(s)
+
+
+def _utf8_no_four_bytes(s: str) -> int:
+    return sum(1 if ord(c) < 0x80 else 2 if ord(c) < 0x800 else 3 for c in s)
+
+
+def _utf8_off_by_one(s: str) -> int:
+    return sum(1 if ord(c) <= 0x80 else 2 if ord(c) <= 0x800 else 3 if ord(c) <= 0x10000 else 4 for c in s)
+
+
+UTF8_MISTAKES = [
+    Mistake(_utf8_one_per_char, "that is the number of code points (len(s)); UTF-8 spends 1 to 4 bytes on each."),
+    Mistake(_utf8_no_four_bytes, "characters above U+FFFF (emoji, 😀 = U+1F600) take 4 bytes, not 3."),
+    Mistake(
+        _utf8_off_by_one,
+        "the limits are exclusive: U+0080 already needs 2 bytes, U+0800 3 and U+10000 4 (use <, not <=).",
+    ),
+]
+
+UTF8_HINTS = [
+    "The number of bytes depends only on the code point, ord(c): count each character and add up.",
+    "1 byte below U+0080 (ASCII), 2 below U+0800, 3 below U+10000, 4 above.",
+    "sum(1 if ord(c) < 0x80 else 2 if ord(c) < 0x800 else 3 if ord(c) < 0x10000 else 4 for c in s)",
+]
+
+
+def check_utf8_len(fn: Callable[[str], int], hint: int = 0) -> bool:
+    """``fn(s)`` -> the number of UTF-8 bytes of ``s``, computed from its code points."""
+    return check("utf8_len", fn, _utf8_cases(), hint=hint, hints=UTF8_HINTS, mistakes=UTF8_MISTAKES)
+
+
+# --- exercise 2: merge_word, the incremental merge update ----------------------------------------
+
+
+def _pair_counts(word: list[int]) -> Counter[Pair]:
+    return Counter(zip(word, word[1:]))
+
+
+def _delta(word: list[int], merged: list[int], freq: int) -> Delta:
+    """How each pair's count changes when ``word`` (seen ``freq`` times) becomes ``merged``.
+
+    This is the definition of the update, not the package's code path: recount the word's pairs
+    before and after, and keep what changed."""
+    before, after = _pair_counts(word), _pair_counts(merged)
+    return {p: freq * (after[p] - before[p]) for p in sorted(before | after) if after[p] != before[p]}
+
+
+def _merge_word_cases() -> list[tuple[tuple[list[int], int, Pair, int], tuple[list[int], Delta]]]:
+    a = 97
+    inputs: list[tuple[list[int], int, Pair, int]] = [
+        ([1, 2, 3, 4], 1, (2, 3), 9),  # one site with a neighbour on each side
+        ([2, 3, 1, 2, 3], 1, (2, 3), 9),  # sites at both ends
+        ([5, 2, 3, 6], 7, (2, 3), 9),  # the word occurs 7 times in the corpus
+        ([1, 2, 1, 2], 1, (1, 2), 9),  # two sites share a neighbour pair
+        ([a, a, a], 1, (a, a), 256),  # overlapping: replaced once, left to right
+        ([a, a, a, a], 3, (a, a), 256),
+        ([a, a, a, a, a], 1, (a, a), 256),
+        ([4, 5, 6], 2, (7, 8), 9),  # the pair is not in the word: nothing changes
+        (list(" hello".encode()), 4, (108, 108), 300),
+    ]
+    cases = []
+    for word, freq, pair, new_id in inputs:
+        merged = _merge(word, pair, new_id)  # the package's merge: left to right, no overlaps
+        cases.append(((word, freq, pair, new_id), (merged, _delta(word, merged, freq))))
+    return cases
+
+
+def _sites(word: list[int], pair: Pair) -> list[int]:
+    """Where ``pair`` is replaced, scanning left to right without overlaps."""
+    sites, i = [], 0
+    while i + 1 < len(word):
+        if (word[i], word[i + 1]) == pair:
+            sites.append(i)
+            i += 2
+        else:
+            i += 1
+    return sites
+
+
+def _without_zeros(delta: dict[Pair, int]) -> Delta:
+    return {p: d for p, d in sorted(delta.items()) if d}
+
+
+def _no_neighbour_decrement(word: list[int], freq: int, pair: Pair, new_id: int) -> tuple[list[int], Delta]:
+    merged = _merge(word, pair, new_id)
+    delta: Counter[Pair] = Counter({pair: -freq * len(_sites(word, pair))})
+    for p, c in _pair_counts(merged).items():
+        if new_id in p:
+            delta[p] += freq * c
+    return merged, _without_zeros(delta)
+
+
+def _no_new_pairs(word: list[int], freq: int, pair: Pair, new_id: int) -> tuple[list[int], Delta]:
+    merged = _merge(word, pair, new_id)
+    return merged, {p: d for p, d in _delta(word, merged, freq).items() if d < 0}
+
+
+def _neighbours_from_original(word: list[int], freq: int, pair: Pair, new_id: int) -> tuple[list[int], Delta]:
+    delta: Counter[Pair] = Counter()
+    for s in _sites(word, pair):
+        delta[pair] -= freq
+        if s > 0:
+            delta[(word[s - 1], word[s])] -= freq
+            delta[(word[s - 1], new_id)] += freq
+        if s + 2 < len(word):
+            delta[(word[s + 1], word[s + 2])] -= freq
+            delta[(new_id, word[s + 2])] += freq
+    return _merge(word, pair, new_id), _without_zeros(delta)
+
+
+def _unweighted(word: list[int], freq: int, pair: Pair, new_id: int) -> tuple[list[int], Delta]:
+    merged = _merge(word, pair, new_id)
+    return merged, _delta(word, merged, 1)
+
+
+def _merged_pair_left_out(word: list[int], freq: int, pair: Pair, new_id: int) -> tuple[list[int], Delta]:
+    merged = _merge(word, pair, new_id)
+    delta = dict(_delta(word, merged, freq))
+    delta[pair] = delta.get(pair, 0) + freq * len(_sites(word, pair))
+    return merged, _without_zeros(delta)
+
+
+def _counted_as_sets(word: list[int], freq: int, pair: Pair, new_id: int) -> tuple[list[int], Delta]:
+    merged = _merge(word, pair, new_id)
+    before, after = set(zip(word, word[1:])), set(zip(merged, merged[1:]))
+    return merged, _without_zeros({p: freq * ((p in after) - (p in before)) for p in before | after})
+
+
+def _right_to_left(word: list[int], freq: int, pair: Pair, new_id: int) -> tuple[list[int], Delta]:
+    merged = _merge(word[::-1], pair[::-1], new_id)[::-1]
+    return merged, _delta(word, merged, freq)
+
+
+MERGE_WORD_MISTAKES = [
+    Mistake(
+        _neighbours_from_original,
+        "you read the neighbours from the original word. Two merge sites can share a neighbour: in "
+        "[a, a, a, a] (or [x, y, x, y] merging (x, y)) the second site's left neighbour is the *new* token "
+        "of the first site. Take the left neighbour from the merged word you are building (out[-1]).",
+    ),
+    Mistake(
+        _no_neighbour_decrement,
+        "the neighbours' old pairs are not decremented: merging (a, b) in [x, a, b, y] removes (x, a) and "
+        "(b, y) as well as (a, b).",
+    ),
+    Mistake(_no_new_pairs, "the new pairs are never added: [x, a, b, y] -> [x, N, y] creates (x, N) and (N, y)."),
+    Mistake(
+        _unweighted,
+        "each change must be multiplied by freq: the word stands for freq identical chunks of the corpus.",
+    ),
+    Mistake(
+        _merged_pair_left_out,
+        "the merged pair's own count must drop too (by freq for every occurrence replaced). HF tokenizers' "
+        "Word::merge leaves that to its trainer; here delta includes it.",
+    ),
+    Mistake(
+        _counted_as_sets,
+        "a pair that occurs twice in a word counts twice: count with a Counter over zip(word, word[1:]), "
+        "not with a set.",
+    ),
+    Mistake(
+        _right_to_left,
+        "merge left to right, as training does: [a, a, a] with (a, a) becomes [N, a], not [a, N].",
+    ),
+]
+
+MERGE_WORD_HINTS = [
+    "Walk the word left to right as merge() does, building the merged word in a list `out`. Only the pairs "
+    "around each merge site change.",
+    "At a site (word[i], word[i+1]) == pair: the pair loses freq; if out is not empty, (out[-1], word[i]) loses "
+    "freq and (out[-1], new_id) gains it; if i + 2 < len(word), (word[i+1], word[i+2]) loses freq and "
+    "(new_id, word[i+2]) gains it. out[-1] (not word[i-1]) is what makes overlapping sites right.",
+    "out, delta, i = [], defaultdict(int), 0; while i < len(word): if i + 1 < len(word) and "
+    "(word[i], word[i+1]) == pair: [the five updates above]; out.append(new_id); i += 2; else: "
+    "out.append(word[i]); i += 1. Return out, dict(delta) (zero entries may stay).",
+]
+
+
+def _normalised(fn: MergeWordFn) -> Callable[..., Any]:
+    """``fn`` with zero changes dropped from its delta (the learner may keep them), else as returned."""
+
+    def merge_word(word: list[int], freq: int, pair: Pair, new_id: int) -> Any:
+        result = fn(list(word), freq, pair, new_id)
+        if isinstance(result, tuple) and len(result) == 2 and hasattr(result[1], "items"):
+            merged, delta = result
+            return merged, _without_zeros(dict(delta))
+        return result
+
+    merge_word.__name__ = getattr(fn, "__name__", "merge_word")
+    return merge_word
+
+
+def train_with(merge_word: MergeWordFn, text: str, n_merges: int) -> list[Pair]:
+    """Train ``n_merges`` merges, updating the pair counts only through ``merge_word``'s deltas.
+
+    The same rules as ``minillm.train_bpe`` (GPT-2's regex, highest count first, ties to the
+    smallest pair); it scans for the best pair instead of keeping a heap, which is slower but
+    picks the same pair."""
+    counts = count_chunks(text, PreTokenizer())
+    words = [list(chunk.encode("utf-8")) for chunk in counts]
+    freqs = list(counts.values())
+    pair_counts: Counter[Pair] = Counter()
+    for word, freq in zip(words, freqs):
+        for pair in zip(word, word[1:]):
+            pair_counts[pair] += freq
+    merges: list[Pair] = []
+    for new_id in range(256, 256 + n_merges):
+        live = [p for p, c in pair_counts.items() if c > 0]
+        if not live:
+            break
+        best = max(live, key=lambda p: (pair_counts[p], -p[0], -p[1]))
+        merges.append(best)
+        for w, word in enumerate(words):
+            if best in zip(word, word[1:]):
+                words[w], delta = merge_word(word, freqs[w], best, new_id)
+                pair_counts.update(delta)
+    return merges
+
+
+TRAINING_TEXTS = ["aaaa aaa aaaaa banana bandana " * 3 + "low lower newest widest " * 4]
+
+
+def check_merge_word(fn: MergeWordFn, hint: int = 0) -> bool:
+    """``fn(word, freq, pair, new_id)`` -> ``(merged, delta)``; then the same function trains merges.
+
+    ``merged`` is ``word`` with ``pair`` replaced by ``new_id`` (left to right, no overlaps);
+    ``delta`` maps each pair whose count changes to the change, the word counting ``freq``
+    times. Once the cases pass, a trainer that updates its counts only through ``fn`` must learn
+    exactly ``minillm.train_bpe``'s merges."""
+    learner = _normalised(fn)
+    if not check("merge_word", learner, _merge_word_cases(), hint=hint, hints=MERGE_WORD_HINTS,
+                 mistakes=MERGE_WORD_MISTAKES):
+        return False
+    texts = [*TRAINING_TEXTS, _training_text()]
+    cases = [((text, 120), train_bpe(text, 256 + 120, progress=False).merges) for text in texts]
+
+    def train_with_your_merge_word(text: str, n_merges: int) -> list[Pair]:
+        return train_with(learner, text, n_merges)
+
+    return check("training with merge_word", train_with_your_merge_word, cases, hint=hint, hints=MERGE_WORD_HINTS)
+
+
+# --- exercise 3: token_bytes ---------------------------------------------------------------------
+
+THE_MERGES: list[Pair] = [(116, 104), (101, 32), (256, 257)]  # 'th', 'e ', 'th' + 'e '
+PING_MERGES: list[Pair] = [(0xE8, 0x8B), (256, 0xB9)]  # the 3 UTF-8 bytes of 苹
+
+
+def _token_bytes_cases() -> list[tuple[tuple[int, list[Pair]], bytes]]:
+    cases: list[tuple[tuple[int, list[Pair]], bytes]] = [
+        ((104, []), b"h"),
+        ((256, THE_MERGES), b"th"),
+        ((258, THE_MERGES), b"the "),
+        ((257, PING_MERGES), "苹".encode("utf-8")),
+    ]
+    tok = _trained()
+    longest = sorted(range(256, 256 + len(tok.merges)), key=lambda i: (-len(tok.vocab[i]), i))[:4]
+    cases += [((i, tok.merges), tok.vocab[i]) for i in longest]
+    return cases
+
+
+def _token_bytes_swapped(token_id: int, merges: list[Pair]) -> bytes:
+    if token_id < 256:
+        return bytes([token_id])
+    a, b = merges[token_id - 256]
+    return _token_bytes_swapped(b, merges) + _token_bytes_swapped(a, merges)
+
+
+TOKEN_BYTES_MISTAKES = [
+    Mistake(
+        _token_bytes_swapped, "the halves are joined in the wrong order: merge (a, b) stands for a's bytes, then b's."
+    ),
+]
+
+TOKEN_BYTES_HINTS = [
+    "An id below 256 is one byte; any other id is a merge of two earlier tokens.",
+    "a, b = merges[token_id - 256], and the token's bytes are a's bytes followed by b's — each found the same way.",
+    "return bytes([token_id]) if token_id < 256 else token_bytes(a, merges) + token_bytes(b, merges)",
+]
+
+
+def check_token_bytes(fn: Callable[[int, list[Pair]], bytes], hint: int = 0) -> bool:
+    """``fn(token_id, merges)`` -> the bytes the token stands for (checked against ``train_bpe``'s vocab)."""
+    return check("token_bytes", fn, _token_bytes_cases(), hint=hint, hints=TOKEN_BYTES_HINTS,
+                 mistakes=TOKEN_BYTES_MISTAKES)
+
+
+# --- exercise 4: encode_bytes --------------------------------------------------------------------
+
+
+def _encode_cases() -> list[tuple[tuple[bytes, list[Pair]], list[int]]]:
+    cases: list[tuple[tuple[bytes, list[Pair]], list[int]]] = [
+        ((b"hello", []), [104, 101, 108, 108, 111]),
+        ((b"abc", [(98, 99), (97, 98)]), [97, 256]),  # (b, c) has the lower rank
+        ((b"hello", [(104, 101), (108, 108), (256, 108)]), [256, 257, 111]),
+        ((b"aaa", [(97, 97)]), [256, 97]),
+        ((b"aaaa", [(97, 97), (256, 256)]), [257]),
+    ]
+    tok = _trained()
+    for chunk in [" question", " therefore", "Desdemona", " unmannerly"]:  # each is one pre-token chunk
+        cases.append(((chunk.encode("utf-8"), tok.merges), tok.encode(chunk)))
+    return cases
+
+
+def _encode_leftmost(data: bytes, merges: list[Pair]) -> list[int]:
+    ranks = {pair: rank for rank, pair in enumerate(merges)}
+    ids = list(data)
+    while True:
+        known = [pair for pair in zip(ids, ids[1:]) if pair in ranks]
+        if not known:
+            return ids
+        ids = _merge(ids, known[0], 256 + ranks[known[0]])
+
+
+def _encode_one_round(data: bytes, merges: list[Pair]) -> list[int]:
+    ranks = {pair: rank for rank, pair in enumerate(merges)}
+    ids = list(data)
+    known = [pair for pair in zip(ids, ids[1:]) if pair in ranks]
+    if known:
+        best = min(known, key=ranks.__getitem__)
+        ids = _merge(ids, best, 256 + ranks[best])
+    return ids
+
+
+def _encode_right_to_left(data: bytes, merges: list[Pair]) -> list[int]:
+    ranks = {pair: rank for rank, pair in enumerate(merges)}
+    ids = list(data)
+    while True:
+        known = [pair for pair in zip(ids, ids[1:]) if pair in ranks]
+        if not known:
+            return ids
+        best = min(known, key=ranks.__getitem__)
+        ids = _merge(ids[::-1], best[::-1], 256 + ranks[best])[::-1]
+
+
+ENCODE_MISTAKES = [
+    Mistake(
+        _encode_leftmost,
+        "you merged the leftmost known pair; BPE applies the pair with the lowest rank (learned earliest) first, "
+        "wherever it is: in b'abc' with merges [(b, c), (a, b)], (b, c) goes first.",
+    ),
+    Mistake(_encode_one_round, "you stopped after one merge: repeat until no adjacent pair is in merges."),
+    Mistake(
+        _encode_right_to_left, "replace occurrences left to right: b'aaa' with (a, a) is [256, 97], not [97, 256]."
+    ),
+]
+
+ENCODE_HINTS = [
+    "Start from list(data). Each round: find the adjacent pair with the smallest rank, merge it everywhere.",
+    "ranks = {pair: r for r, pair in enumerate(merges)}; the pair to merge is min(pairs in ranks, key=ranks.get); "
+    "it becomes id 256 + its rank.",
+    "while True: known = [p for p in zip(ids, ids[1:]) if p in ranks]; if not known: return ids; "
+    "p = min(known, key=ranks.get); ids = merge(ids, p, 256 + ranks[p])",
+]
+
+
+def check_encode_bytes(fn: Callable[[bytes, list[Pair]], list[int]], hint: int = 0) -> bool:
+    """``fn(data, merges)`` -> BPE ids of one chunk's bytes (checked against ``Tokenizer.encode``)."""
+    return check("encode_bytes", fn, _encode_cases(), hint=hint, hints=ENCODE_HINTS, mistakes=ENCODE_MISTAKES)
