@@ -271,3 +271,45 @@ def test_nb03_gqa_broadcast_passes(capsys):
 def test_nb03_gqa_mistakes_are_named(capsys, wrong, says):
     assert nb03.check_gqa_attention(wrong) is False
     assert says in capsys.readouterr().out
+
+
+def _window(seq_len, window):
+    i, j = torch.arange(seq_len)[:, None], torch.arange(seq_len)[None, :]
+    return (j <= i) & (j > i - window)
+
+
+def test_nb03_window_right_answer_passes(capsys):
+    assert nb03.check_sliding_window_mask(_window) is True
+
+
+@pytest.mark.parametrize(
+    "wrong, says",
+    [
+        (lambda n, w: _window(n, w + 1), "window + 1 keys"),
+        (lambda n, w: (torch.arange(n)[:, None] - torch.arange(n)[None, :]).abs() < w, "reaches into the future"),
+        (lambda n, w: _window(n, w + 1) & ~torch.eye(n, dtype=torch.bool), "does not see itself"),
+    ],
+    ids=["one-too-many", "both-sides", "without-self"],
+)
+def test_nb03_window_mistakes_are_named(capsys, wrong, says):
+    assert nb03.check_sliding_window_mask(wrong) is False
+    assert says in capsys.readouterr().out
+
+
+def test_nb03_entropy_right_answer_passes(capsys):
+    assert nb03.check_attention_entropy(lambda w: -torch.special.xlogy(w, w).sum(-1)) is True
+
+
+@pytest.mark.parametrize(
+    "wrong, says",
+    [
+        (lambda w: -(w * w.log()).sum(-1), "0 * -inf = NaN"),
+        (lambda w: -(w * torch.where(w > 0, w.log2(), 0.0)).sum(-1), "in bits"),
+        (lambda w: torch.special.xlogy(w, w).sum(-1), "the sign is flipped"),
+        (lambda w: -torch.special.xlogy(w, w).sum(-2), "you summed over the queries"),
+    ],
+    ids=["nan", "bits", "sign", "over-queries"],
+)
+def test_nb03_entropy_mistakes_are_named(capsys, wrong, says):
+    assert nb03.check_attention_entropy(wrong) is False
+    assert says in capsys.readouterr().out

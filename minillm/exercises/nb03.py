@@ -1,11 +1,14 @@
-"""Exercises of notebook 03 (attention): the causal + padding mask, and GQA without copies.
+"""Exercises of notebook 03 (attention): the causal + padding mask, GQA without copies, a
+sliding-window mask and the entropy of attention weights.
 
-The expected answers come from the package (``minillm.model.attention``); each classic mistake
-is written out as the function a learner would write, so a wrong answer of that kind is named.
+The mask and GQA answers come from the package (``minillm.model.attention``); the window and
+the entropy, which the package does not have, from their definitions. Each classic mistake is
+written out as the function a learner would write, so a wrong answer of that kind is named.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -84,15 +87,18 @@ def check_padding_causal_mask(fn: MaskFn, hint: int = 0) -> bool:
 
 def _gqa_cases() -> list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
     cases = []
-    # batch, n_heads, n_kv_heads, seq, head_dim: GQA 4/2, SmolLM2's 9/3, plain multi-head, multi-query
-    for seed, (batch, n_heads, n_kv_heads, seq, head_dim) in enumerate(
-        [(1, 4, 2, 5, 8), (2, 9, 3, 6, 16), (1, 3, 3, 4, 8), (1, 4, 1, 3, 8)]
+    # batch, n_heads, n_kv_heads, q_len, k_len, head_dim, left padding per row: GQA 4/2, SmolLM2's 9/3
+    # with a left-padded row (a [batch, 1, q, k] mask), plain multi-head, multi-query, a decode step
+    for seed, (batch, n_heads, n_kv_heads, q_len, k_len, head_dim, pads) in enumerate(
+        [(1, 4, 2, 5, 5, 8, None), (2, 9, 3, 6, 6, 16, [0, 2]), (1, 3, 3, 4, 4, 8, None),
+         (1, 4, 1, 3, 3, 8, None), (2, 9, 3, 1, 5, 16, [1, 0])]
     ):
         g = torch.Generator().manual_seed(seed)
-        q = torch.randn(batch, n_heads, seq, head_dim, generator=g)
-        k = torch.randn(batch, n_kv_heads, seq, head_dim, generator=g)
-        v = torch.randn(batch, n_kv_heads, seq, head_dim, generator=g)
-        mask = build_mask(None, seq, seq, torch.device("cpu"))
+        q = torch.randn(batch, n_heads, q_len, head_dim, generator=g)
+        k = torch.randn(batch, n_kv_heads, k_len, head_dim, generator=g)
+        v = torch.randn(batch, n_kv_heads, k_len, head_dim, generator=g)
+        attention_mask = None if pads is None else (torch.arange(k_len)[None, :] >= torch.tensor(pads)[:, None]).long()
+        mask = build_mask(attention_mask, q_len, k_len, torch.device("cpu"))
         groups = n_heads // n_kv_heads
         want = attention_explicit(q, repeat_kv(k, groups), repeat_kv(v, groups), mask)
         cases.append(((q, k, v, mask), want))
@@ -133,11 +139,12 @@ GQA_MISTAKES = [
 ]
 
 GQA_HINTS = [
-    "Group the query heads by the KV head they share: q.view(batch, n_kv_heads, groups, seq, head_dim).",
+    "Group the query heads by the KV head they share: q.view(batch, n_kv_heads, groups, q_len, head_dim).",
     "k[:, :, None] has shape [batch, n_kv_heads, 1, seq, head_dim] and broadcasts over the group in a matmul: "
     "no copy of K is made.",
-    "scores = qg @ k[:, :, None].transpose(-2, -1) / sqrt(head_dim); masked_fill(~mask, -inf); softmax(dim=-1); "
-    "@ v[:, :, None]; reshape back to [batch, n_heads, seq, head_dim].",
+    "scores = qg @ k[:, :, None].transpose(-2, -1) / sqrt(head_dim); masked_fill(~mask[:, :, None], -inf) "
+    "(the mask gets the group axis too); softmax(dim=-1); @ v[:, :, None]; reshape back to "
+    "[batch, n_heads, q_len, head_dim].",
 ]
 
 NO_COPY = forbid_calls(
@@ -152,7 +159,105 @@ NO_COPY = forbid_calls(
 
 
 def check_gqa_attention(fn: AttentionFn, hint: int = 0) -> bool:
-    """``fn(q [b, n_heads, t, d], k, v [b, n_kv_heads, t, d], mask)`` -> ``[b, n_heads, t, d]``, no K/V copies."""
+    """``fn(q [b, n_heads, q_len, d], k, v [b, n_kv_heads, k_len, d], mask [b or 1, 1, q_len, k_len])``
+    -> ``[b, n_heads, q_len, d]``, without copying K or V."""
     return check(
         "gqa_attention", fn, _gqa_cases(), hint=hint, hints=GQA_HINTS, mistakes=GQA_MISTAKES, rules=[NO_COPY]
     )
+
+
+# --- a sliding-window mask ------------------------------------------------------------------------
+
+WindowFn = Callable[[int, int], torch.Tensor]
+
+
+def _window_cases() -> list[tuple[tuple[int, int], torch.Tensor]]:
+    y, n = True, False
+    return [
+        ((4, 2), torch.tensor([[y, n, n, n], [y, y, n, n], [n, y, y, n], [n, n, y, y]])),
+        ((5, 5), torch.ones(5, 5, dtype=torch.bool).tril()),  # a window as long as the sequence: causal
+        ((3, 1), torch.eye(3, dtype=torch.bool)),  # a window of 1: each token sees only itself
+        ((6, 3), torch.ones(6, 6, dtype=torch.bool).tril() & ~torch.ones(6, 6, dtype=torch.bool).tril(-3)),
+    ]
+
+
+def _window_one_too_many(seq_len: int, window: int) -> torch.Tensor:
+    i, j = torch.arange(seq_len)[:, None], torch.arange(seq_len)[None, :]
+    return (j <= i) & (j >= i - window)
+
+
+def _window_both_sides(seq_len: int, window: int) -> torch.Tensor:
+    i, j = torch.arange(seq_len)[:, None], torch.arange(seq_len)[None, :]
+    return (i - j).abs() < window
+
+
+def _window_without_self(seq_len: int, window: int) -> torch.Tensor:
+    i, j = torch.arange(seq_len)[:, None], torch.arange(seq_len)[None, :]
+    return (j < i) & (j >= i - window)
+
+
+WINDOW_MISTAKES = [
+    Mistake(_window_one_too_many, "each query sees window + 1 keys (j >= i - window); the window counts the query itself: j > i - window."),
+    Mistake(_window_both_sides, "your window reaches into the future (|i - j| < window): it must stay causal, j <= i."),
+    Mistake(_window_without_self, "the query does not see itself (j < i); the window includes it: j <= i."),
+]
+
+WINDOW_HINTS = [
+    "Two conditions at once: causal (j <= i) and recent (j > i - window).",
+    "i = torch.arange(seq_len)[:, None] (a column) and j = torch.arange(seq_len)[None, :] (a row) broadcast "
+    "to [seq_len, seq_len].",
+    "return (j <= i) & (j > i - window)",
+]
+
+
+def check_sliding_window_mask(fn: WindowFn, hint: int = 0) -> bool:
+    """``fn(seq_len, window)`` -> bool ``[seq_len, seq_len]``: query i sees key j when i - window < j <= i."""
+    return check("sliding_window_mask", fn, _window_cases(), hint=hint, hints=WINDOW_HINTS, mistakes=WINDOW_MISTAKES)
+
+
+# --- how focused is a head: the entropy of its weights ---------------------------------------------
+
+EntropyFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _entropy_cases() -> list[tuple[tuple[torch.Tensor], torch.Tensor]]:
+    third = 1 / 3
+    causal = torch.tensor([[1.0, 0, 0], [0.5, 0.5, 0], [third, third, third]])  # masked weights are exactly 0
+    two_heads = torch.stack([causal, torch.tensor([[1.0, 0, 0], [0.9, 0.1, 0], [0.0, 0, 1]])])  # [2, 3, 3]
+    cases = [torch.full((1, 4), 0.25), torch.tensor([[0.0, 1.0, 0.0]]), causal, two_heads]
+    return [((w,), torch.special.entr(w).sum(-1)) for w in cases]
+
+
+def _entropy_nan(weights: torch.Tensor) -> torch.Tensor:
+    return -(weights * weights.log()).sum(-1)
+
+
+def _entropy_bits(weights: torch.Tensor) -> torch.Tensor:
+    return -torch.special.xlogy(weights, weights).sum(-1) / math.log(2)
+
+
+def _entropy_no_minus(weights: torch.Tensor) -> torch.Tensor:
+    return torch.special.xlogy(weights, weights).sum(-1)
+
+
+def _entropy_over_queries(weights: torch.Tensor) -> torch.Tensor:
+    return -torch.special.xlogy(weights, weights).sum(-2)
+
+
+ENTROPY_MISTAKES = [
+    Mistake(_entropy_nan, "p * log(p) is 0 * -inf = NaN where a weight is exactly 0 (every masked key); 0 · log 0 counts as 0."),
+    Mistake(_entropy_bits, "that is in bits (log base 2); the exercise asks for nats (natural log)."),
+    Mistake(_entropy_no_minus, "the sign is flipped: log p <= 0, so the entropy is -Σ p log p >= 0."),
+    Mistake(_entropy_over_queries, "you summed over the queries (dim -2); a row's entropy sums over its keys (dim -1)."),
+]
+
+ENTROPY_HINTS = [
+    "For each row: -Σ_j p_j log p_j, over the last dimension (the keys).",
+    "Where p == 0, p * log(p) is NaN; pick 0 there (torch.where) or use torch.special.xlogy(p, p), which is 0 at p = 0.",
+    "return -torch.special.xlogy(weights, weights).sum(dim=-1)",
+]
+
+
+def check_attention_entropy(fn: EntropyFn, hint: int = 0) -> bool:
+    """``fn(weights [..., q_len, k_len])`` -> ``[..., q_len]``: each row's entropy in nats."""
+    return check("attention_entropy", fn, _entropy_cases(), hint=hint, hints=ENTROPY_HINTS, mistakes=ENTROPY_MISTAKES)
