@@ -1,0 +1,192 @@
+"""Notebook 07's exercises: a right answer passes, each classic wrong answer fails with its message.
+
+The wrong answers here are written independently of the ones in ``minillm.exercises.nb07`` (as a
+learner would write them), so these tests also show that the diagnosis does not depend on the
+exact code of the mistake.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minillm.cache import memory_budget
+from minillm.exercises import nb07
+
+
+class RightCache:
+    def __init__(self, config, max_len):
+        shape = (1, config.n_kv_heads, max_len, config.head_dim)
+        self.k = [torch.zeros(shape) for _ in range(config.n_layers)]
+        self.v = [torch.zeros(shape) for _ in range(config.n_layers)]
+        self.max_len = max_len
+        self.length = 0
+
+    @property
+    def past_length(self):
+        return self.length
+
+    def positions(self, q_len):
+        return torch.arange(self.length, self.length + q_len)[None]
+
+    def mask(self, attention_mask, q_len):
+        end = self.length + q_len
+        return (torch.arange(end)[None, :] <= torch.arange(self.length, end)[:, None])[None, None]
+
+    def update(self, layer, k, v):
+        end = self.length + k.shape[2]
+        self.k[layer][:, :, self.length : end] = k
+        self.v[layer][:, :, self.length : end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+    def advance(self, q_len):
+        self.length += q_len
+
+
+class AtOffsetZero(RightCache):
+    def update(self, layer, k, v):
+        n = k.shape[2]
+        self.k[layer][:, :, 0:n] = k
+        self.v[layer][:, :, 0:n] = v
+        return self.k[layer][:, :, : self.length + n], self.v[layer][:, :, : self.length + n]
+
+
+class KeysBeforeThisStep(RightCache):
+    def update(self, layer, k, v):
+        super().update(layer, k, v)
+        return self.k[layer][:, :, : self.length], self.v[layer][:, :, : self.length]
+
+
+class OneColumnTooMany(RightCache):
+    def update(self, layer, k, v):
+        end = self.length + k.shape[2]
+        super().update(layer, k, v)
+        return self.k[layer][:, :, : end + 1], self.v[layer][:, :, : end + 1]
+
+
+class QueriesAtTheStart(RightCache):
+    def mask(self, attention_mask, q_len):
+        k_len = self.length + q_len
+        return (torch.arange(k_len)[None, :] <= torch.arange(q_len)[:, None])[None, None]
+
+
+class NoCausality(RightCache):
+    def mask(self, attention_mask, q_len):
+        return torch.ones(1, 1, q_len, self.length + q_len, dtype=torch.bool)
+
+
+class MaskWithoutTheNewKeys(RightCache):
+    def mask(self, attention_mask, q_len):
+        return torch.ones(1, 1, q_len, self.length, dtype=torch.bool)
+
+
+class Concatenating(RightCache):
+    def update(self, layer, k, v):
+        end = self.length + k.shape[2]
+        super().update(layer, k, v)
+        keys = torch.cat([self.k[layer][:, :, : self.length], k], dim=2)
+        return keys, torch.cat([self.v[layer][:, :, : self.length], v], dim=2)
+
+
+def test_right_cache_passes(capsys):
+    assert nb07.check_kv_cache(RightCache) is True
+    assert "✅ kv_cache: all 5 checks pass" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "wrong, says",
+    [
+        (AtOffsetZero, "writes every step's keys at column 0"),
+        (KeysBeforeThisStep, "returns the keys stored *before* this step"),
+        (OneColumnTooMany, "one column too many"),
+        (QueriesAtTheStart, "they are the *last* q_len"),
+        (NoCausality, "must not see the tokens after it"),
+        (MaskWithoutTheNewKeys, "the new keys included"),
+        (Concatenating, "not a slice of the preallocated buffer"),
+    ],
+    ids=["offset-0", "off-by-one-short", "off-by-one-long", "queries-at-start", "not-causal", "mask-too-short", "cat"],
+)
+def test_cache_mistakes_are_named(capsys, wrong, says):
+    assert nb07.check_kv_cache(wrong) is False
+    assert says in capsys.readouterr().out
+
+
+def test_cache_stub_is_waiting(capsys):
+    class Stub(RightCache):
+        def update(self, layer, k, v):
+            raise NotImplementedError
+
+    assert nb07.check_kv_cache(Stub) is False
+    assert "⏳ kv_cache: not attempted yet" in capsys.readouterr().out
+
+
+def test_cache_hints_come_in_three_tiers(capsys):
+    nb07.check_kv_cache(AtOffsetZero, hint=3)
+    out = capsys.readouterr().out
+    assert "Hint 1/3" in out and "Hint 3/3" in out
+
+
+def _bytes(config, dtype):
+    return 2 * config.n_layers * config.n_kv_heads * config.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+@pytest.mark.parametrize(
+    "wrong, says",
+    [
+        (lambda c, d: _bytes(c, d) * c.n_heads // c.n_kv_heads, "*query* heads"),
+        (lambda c, d: _bytes(c, d) // 2, "factor 2"),
+        (lambda c, d: 2 * c.n_layers * c.n_kv_heads * c.head_dim * 4, "depend on the dtype"),
+    ],
+    ids=["query-heads", "no-factor-2", "always-4-bytes"],
+)
+def test_bytes_per_token(capsys, wrong, says):
+    assert nb07.check_kv_bytes_per_token(_bytes) is True
+    assert nb07.check_kv_bytes_per_token(wrong) is False
+    assert says in capsys.readouterr().out
+
+
+def _crossover(config, batch):
+    from minillm.cache import parameter_count
+
+    return parameter_count(config) / (batch * 2 * config.n_layers * config.n_kv_heads * config.head_dim)
+
+
+def test_crossover_is_11_7k_tokens_for_smollm2_at_batch_1():
+    assert round(_crossover(nb07.SMOLLM2_135M, 1)) == 11677
+    assert round(_crossover(nb07.SMOLLM2_135M, 8)) == 1460
+
+
+@pytest.mark.parametrize(
+    "wrong, says",
+    [
+        (lambda c, b: _crossover(c, 1) * b, "multiplied by the batch"),
+        (lambda c, b: _crossover(c, 1), "the batch is missing"),
+        (lambda c, b: _crossover(c, b) * c.n_kv_heads / c.n_heads, "query heads"),
+        (lambda c, b: int(_crossover(c, b)), "keep the fraction"),
+    ],
+    ids=["times-batch", "no-batch", "query-heads", "rounded"],
+)
+def test_crossover(capsys, wrong, says):
+    assert nb07.check_decode_crossover(_crossover) is True
+    assert nb07.check_decode_crossover(wrong) is False
+    assert says in capsys.readouterr().out
+
+
+def _fits(config, gpu_bytes, context, dtype):
+    one = memory_budget(config, 1, context, dtype)
+    return max(0, (gpu_bytes - one.weights) // one.kv_cache)
+
+
+@pytest.mark.parametrize(
+    "wrong, says",
+    [
+        (lambda c, g, n, d: g // memory_budget(c, 1, n, d).kv_cache, "the weights are missing"),
+        (lambda c, g, n, d: (g - memory_budget(c, 1, n, d).weights) // memory_budget(c, 1, n, d).kv_cache, "return 0"),
+        (lambda c, g, n, d: float(_fits(c, g, n, d)), "expected an int, got a float"),
+    ],
+    ids=["no-weights", "negative", "float"],
+)
+def test_max_batch(capsys, wrong, says):
+    assert nb07.check_max_batch(_fits) is True
+    assert nb07.check_max_batch(wrong) is False
+    assert says in capsys.readouterr().out
