@@ -40,7 +40,8 @@ def _rms_cases() -> list[tuple[tuple[torch.Tensor, torch.Tensor, float], torch.T
         (torch.randn(3, 8, generator=g), torch.randn(8, generator=g), 1e-5),
         # 300² = 90,000 > 65,504, float16's largest number: the naive statistic is inf
         (torch.full((2, 576), 300.0, dtype=torch.float16), torch.ones(576, dtype=torch.float16), 1e-5),
-        ((torch.randn(4, 576, generator=g) * 50).to(torch.bfloat16), (1 + torch.randn(576, generator=g)).to(torch.bfloat16), 1e-5),
+        ((torch.randn(4, 576, generator=g) * 50).to(torch.bfloat16),
+         (1 + torch.randn(576, generator=g)).to(torch.bfloat16), 1e-5),
         (torch.zeros(1, 16), torch.ones(16), 1e-6),  # eps keeps 0 / 0 away
     ]
     return [((x, w, eps), _rms_reference(x, w, eps)) for x, w, eps in inputs]
@@ -105,8 +106,9 @@ def check_rms_norm_mixed(fn: RmsNormFn, hint: int = 0) -> bool:
 
 # --- exercise 2: Llama's FFN width rule ----------------------------------------------------------
 
-# (d_model, multiple_of, ffn_dim_multiplier) -> the published intermediate_size. The inputs are the
-# models' own params.json; the widths are their config.json's intermediate_size.
+# (d_model, multiple_of, ffn_dim_multiplier) -> the published intermediate_size (each model's
+# config.json). multiple_of and the multiplier are Meta's params.json for the Llamas; SmolLM2 and
+# TinyLlama, trained with other code, store only the width, and it fits the rule with 256.
 PUBLISHED_FFN = {
     "SmolLM2-135M": ((576, 256, None), 1536),
     "TinyLlama-1.1B": ((2048, 256, None), 5632),
@@ -138,9 +140,11 @@ def _ffn_four_d(d: int, multiple_of: int, mult: float | None = None) -> int:
 
 
 FFN_MISTAKES = [  # the multiplier first: on Llama-2-70B, ignoring it and rounding down give the same number
-    Mistake(_ffn_no_multiplier, "ffn_dim_multiplier is ignored: when given, multiply by it (and truncate) before rounding."),
+    Mistake(_ffn_no_multiplier,
+            "ffn_dim_multiplier is ignored: when given, multiply by it (and truncate) before rounding."),
     Mistake(_ffn_no_round, "that is the width before rounding: round it up to a multiple of multiple_of."),
-    Mistake(_ffn_round_down, "you rounded down (or to the nearest multiple): Llama rounds *up*, to the next multiple of multiple_of."),
+    Mistake(_ffn_round_down,
+            "you rounded down (or to the nearest multiple): Llama rounds *up*, to the next multiple of multiple_of."),
     Mistake(_ffn_four_d, "you started from 4d: SwiGLU's three matrices take two thirds of it, int(2 * 4 * d / 3)."),
 ]
 
@@ -189,12 +193,14 @@ def _params(cfg: ModelConfig, *, kv_full: bool = False, tied_twice: bool = False
 
 
 def _params_rule(cfg: ModelConfig) -> int:
-    return 12 * cfg.n_layers * cfg.hidden_size**2 + cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
+    embeddings = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
+    return 12 * cfg.n_layers * cfg.hidden_size**2 + embeddings
 
 
 PARAM_MISTAKES = [
-    Mistake(lambda c: _params(c, kv_full=True), "k_proj and v_proj are d × (n_kv_heads · head_dim), not d × d: "
-                                                 "grouped-query attention shares each K/V head among n_heads // n_kv_heads queries."),
+    Mistake(lambda c: _params(c, kv_full=True),
+            "k_proj and v_proj are d × (n_kv_heads · head_dim), not d × d: grouped-query attention shares "
+            "each K/V head among n_heads // n_kv_heads queries."),
     Mistake(lambda c: _params(c, tied_twice=True), "a tied LM head is the embedding matrix itself: count it once "
                                                     "(as model.parameters() does; the state dict lists it twice)."),
     Mistake(lambda c: _params(c, norms=False), "the two RMSNorm gains of each block (d each) are missing."),
@@ -206,8 +212,8 @@ PARAM_MISTAKES = [
 
 PARAM_HINTS = [
     "Sum the shapes of one block, times n_layers, plus the embeddings, the final norm and (if untied) the LM head.",
-    "Per block: q and o are d × (n_heads·head_dim); k and v are d × (n_kv_heads·head_dim); the FFN is 3·d·intermediate; "
-    "two norms of d. Biases add n_heads·head_dim + 2·n_kv_heads·head_dim.",
+    "Per block: q and o are d × (n_heads·head_dim); k and v are d × (n_kv_heads·head_dim); "
+    "the FFN is 3·d·intermediate; two norms of d. Biases add n_heads·head_dim + 2·n_kv_heads·head_dim.",
     "embeddings = vocab·d · (1 if tied else 2); return embeddings + n_layers · per_block + d",
 ]
 
@@ -334,8 +340,9 @@ FORWARD_MISTAKES = [
     Mistake(_forward_with(_parallel), "attention and FFN both read the block's input (a 'parallel' block, as in "
                                        "GPT-J): in Llama the FFN reads the stream *after* the attention update."),
     Mistake(_forward_with(_pre_norm, final_norm=False), "the final norm is missing: model.norm(x) before the LM head."),
-    Mistake(_forward_with(_pre_norm, tied_head=True), "you used the embedding matrix as the LM head; this model is "
-                                                       "untied: use model.lm_head (it is the embedding only when tied)."),
+    Mistake(_forward_with(_pre_norm, tied_head=True),
+            "you used the embedding matrix as the LM head; this model is untied: use model.lm_head "
+            "(it is the embedding only when tied)."),
     Mistake(_forward_with(_pre_norm, masked=False), "the attention got mask=None: every token sees the future. "
                                                     "Pass the causal mask."),
 ]
@@ -345,8 +352,9 @@ FORWARD_HINTS = [
     "and the LM head. The stream itself is never normalized in place.",
     "The pieces: model.embed_tokens(ids); for layer in model.layers: layer.input_layernorm, "
     "layer.self_attn(h, cos, sin, mask), layer.post_attention_layernorm, layer.mlp; then model.norm and model.lm_head.",
-    "x = model.embed_tokens(ids); for layer in model.layers: x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, "
-    "mask); x = x + layer.mlp(layer.post_attention_layernorm(x)); return model.lm_head(model.norm(x))",
+    "x = model.embed_tokens(ids); for layer in model.layers: "
+    "x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, mask); "
+    "x = x + layer.mlp(layer.post_attention_layernorm(x)); return model.lm_head(model.norm(x))",
 ]
 
 

@@ -87,11 +87,12 @@ Q4_1_MISTAKES = [
                                                   "the block's minimum, up)."),
     Mistake(_q4_1_with(_low_first, formula="d(q-8)"), "that is Q4_0's rule, d·(q − 8): Q4_1's nibbles are unsigned "
                                                       "0..15 and the offset is the stored minimum, w = d·q + m."),
-    Mistake(_q4_1_with(_low_first, formula="d(q-8)+m"), "the nibbles are unsigned (0..15) in Q4_1: no − 8 (that is Q4_0); "
-                                                        "w = d·q + m."),
-    Mistake(_q4_1_with(_low_first, d_first=False), "d and m are swapped: the block starts with the scale d (bytes 0-1), "
-                                                   "then the minimum m (bytes 2-3)."),
-    Mistake(_q4_1_with(_low_first, scales="bfloat16"), "d and m are IEEE float16 (`.view(torch.float16)`), not bfloat16."),
+    Mistake(_q4_1_with(_low_first, formula="d(q-8)+m"),
+            "the nibbles are unsigned (0..15) in Q4_1: no − 8 (that is Q4_0); w = d·q + m."),
+    Mistake(_q4_1_with(_low_first, d_first=False),
+            "d and m are swapped: the block starts with the scale d (bytes 0-1), then the minimum m (bytes 2-3)."),
+    Mistake(_q4_1_with(_low_first, scales="bfloat16"),
+            "d and m are IEEE float16 (`.view(torch.float16)`), not bfloat16."),
     Mistake(_q4_1_with(_low_first, scales="int16"), "d and m are float16 numbers: reinterpret their two bytes with "
                                                     "`.view(torch.float16)`, don't read them as integers."),
 ]
@@ -115,8 +116,8 @@ def check_dequantize_q4_1(fn: Callable[[torch.Tensor], torch.Tensor], hint: int 
 # Ties: with max |x| = 127·2⁻³ the scale d is exactly 2⁻³, so x·(1/d) lands exactly on k + ½ for these.
 TIES = np.float32(2.0**-3) * np.array([127, 2.5, -2.5, 0.5, -0.5, 1.5, -1.5, 3.5, 10.5, -11.5] + [1.0] * 22, np.float32)
 # The float just below ½: floor(v + 0.5) rounds it up (0.49999997 + 0.5 is 1.0 in float32); roundf does not.
-BELOW_HALF = np.array([127.0, np.nextafter(np.float32(0.5), np.float32(0)), -np.nextafter(np.float32(0.5), np.float32(0))]
-                      + [0.25] * 29, np.float32)
+_JUST_BELOW_HALF = np.nextafter(np.float32(0.5), np.float32(0))
+BELOW_HALF = np.array([127.0, _JUST_BELOW_HALF, -_JUST_BELOW_HALF] + [0.25] * 29, np.float32)
 
 
 def _q8_0_cases() -> list[tuple[tuple[torch.Tensor], torch.Tensor]]:
@@ -124,7 +125,8 @@ def _q8_0_cases() -> list[tuple[tuple[torch.Tensor], torch.Tensor]]:
     inputs = [rng.standard_normal(32).astype(np.float32) * s for s in (0.02, 1.0, 300.0)]
     inputs += [np.zeros(32, np.float32), TIES, BELOW_HALF]
     inputs.append(gguf.quants.dequantize(gguf.quants.quantize(inputs[1][None], Q8_0), Q8_0)[0])  # a round trip
-    return [((torch.from_numpy(x.copy()),), torch.from_numpy(gguf.quants.quantize(x[None], Q8_0)[0].copy())) for x in inputs]
+    return [((torch.from_numpy(x.copy()),), torch.from_numpy(gguf.quants.quantize(x[None], Q8_0)[0].copy()))
+            for x in inputs]
 
 
 def _q8_0_with(rounding: Callable[[torch.Tensor], torch.Tensor], amax: str = "abs", levels: float = 127.0,
@@ -152,22 +154,28 @@ def _round_away(v: torch.Tensor) -> torch.Tensor:
 Q8_0_MISTAKES = [
     Mistake(_q8_0_with(torch.round), "torch.round (like np.round) rounds halves to *even* (2.5 -> 2): llama.cpp's "
                                      "roundf rounds them away from zero (2.5 -> 3, -2.5 -> -3)."),
-    Mistake(_q8_0_with(lambda v: (v + 0.5).floor()), "floor(v + 0.5) rounds −2.5 to −2 (and 0.49999997 to 1): round "
-                                                      "halves away from zero, the magnitude and the sign apart."),
-    Mistake(_q8_0_with(lambda v: v.sign() * (v.abs() + 0.5).floor()), "sign · floor(|v| + 0.5) rounds 0.49999997 up: "
-            "in float32, 0.49999997 + 0.5 is exactly 1.0. Round the fraction without adding: floor(a) + floor(2·(a − floor(a)))."),
-    Mistake(_q8_0_with(_round_away, q_from_stored_d=True), "q was computed with the float16-rounded d: llama.cpp divides "
-                                                           "by the float32 d (x · (1/d)) and only *stores* d as float16."),
+    Mistake(_q8_0_with(lambda v: (v + 0.5).floor()),
+            "floor(v + 0.5) rounds −2.5 to −2 (and 0.49999997 to 1): round halves away from zero, the magnitude "
+            "and the sign apart."),
+    Mistake(_q8_0_with(lambda v: v.sign() * (v.abs() + 0.5).floor()),
+            "sign · floor(|v| + 0.5) rounds 0.49999997 up: in float32, 0.49999997 + 0.5 is exactly 1.0. "
+            "Round the fraction without adding: floor(a) + floor(2·(a − floor(a)))."),
+    Mistake(_q8_0_with(_round_away, q_from_stored_d=True),
+            "q was computed with the float16-rounded d: llama.cpp divides by the float32 d (x · (1/d)) and only "
+            "*stores* d as float16."),
     Mistake(_q8_0_with(_round_away, amax="max"), "d comes from the largest *magnitude*, max |x|, not max x."),
-    Mistake(_q8_0_with(_round_away, levels=128.0), "d = max |x| / 127: the largest weight lands on ±127 (int8 has room for "
-                                                   "−128, but Q8_0 keeps the grid symmetric)."),
-    Mistake(_q8_0_with(_round_away, d_bytes="float32"), "d is stored as float16 (2 bytes), so a block is 2 + 32 = 34 bytes."),
+    Mistake(_q8_0_with(_round_away, levels=128.0),
+            "d = max |x| / 127: the largest weight lands on ±127 (int8 has room for −128, but Q8_0 keeps the "
+            "grid symmetric)."),
+    Mistake(_q8_0_with(_round_away, d_bytes="float32"),
+            "d is stored as float16 (2 bytes), so a block is 2 + 32 = 34 bytes."),
 ]
 
 Q8_0_HINTS = [
-    "d = max |x| / 127 in float32; q = round(x · (1/d)); the block is d's 2 float16 bytes, then the 32 int8s, as uint8.",
-    "Round halves away from zero, as C's roundf does: a = v.abs(); q = sign(v) · (floor(a) + floor(2·(a − floor(a)))). "
-    "torch.round and np.round round halves to even.",
+    "d = max |x| / 127 in float32; q = round(x · (1/d)); the block is d's 2 float16 bytes, then the 32 int8s, "
+    "as uint8.",
+    "Round halves away from zero, as C's roundf does: a = v.abs(); "
+    "q = sign(v) · (floor(a) + floor(2·(a − floor(a)))). torch.round and np.round round halves to even.",
     "inv = 0 if d == 0 else 1/d; q = _round(x * inv).to(torch.int8); "
     "return torch.cat([d.reshape(1).half().view(torch.uint8), q.view(torch.uint8)])",
 ]
@@ -190,7 +198,7 @@ def permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 def _unpermute_cases() -> list[tuple[tuple[torch.Tensor, int], torch.Tensor]]:
     g = torch.Generator().manual_seed(3)
     originals = [(torch.arange(8)[:, None], 1), (torch.arange(24).reshape(12, 2), 3),
-                 (torch.randn(192, 16, generator=g), 3), (torch.randn(576, 8, generator=g), 9)]  # SmolLM2's k and q heads
+                 (torch.randn(192, 16, generator=g), 3), (torch.randn(576, 8, generator=g), 9)]  # SmolLM2's k, q
     return [((permute(w, heads), heads), unpermute(permute(w, heads), heads)) for w, heads in originals]
 
 
