@@ -145,7 +145,8 @@ def _tensor_values(got: torch.Tensor, want: torch.Tensor) -> str:
     if want.numel() == 0:
         return ""
     if want.is_floating_point():
-        diff = (got.double() - want.double()).abs().nan_to_num(nan=math.inf)
+        diff = (got.double() - want.double()).abs().nan_to_num(nan=math.inf, posinf=math.inf)
+        diff = diff.masked_fill(got == want, 0.0)  # equal infinities (two -inf) are no difference
         worst = int(diff.argmax())
         index = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), want.shape))
         return (

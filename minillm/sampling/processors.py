@@ -56,11 +56,13 @@ class RepetitionPenalty:
     """Make every token already in the sequence (prompt *and* output) less likely.
 
     Small models fall into loops: once a phrase is repeated, attention to the repetition makes
-    the next repeat even likelier. The CTRL paper's fix: for every token id that occurs in
-    ``input_ids``, divide its logit by ``penalty`` if positive, multiply it if negative. Both
-    moves push the logit *down* (for penalty > 1), which plain division would not do for a
-    negative logit. A token counts once however often it occurred: this is a presence
-    penalty, not a frequency penalty.
+    the next repeat even likelier. The CTRL paper divides the logit of every token already
+    *generated* by ``penalty``; plain division *raises* a negative logit (towards 0), so
+    transformers (and llama.cpp, and this class) divide positive logits and multiply negative
+    ones: both moves push the logit *down* for penalty > 1. As in transformers for decoder-only
+    models, every token of ``input_ids`` counts, the prompt included, and a token counts once
+    however often it occurred. (OpenAI's presence and frequency penalties are different rules:
+    they *subtract* a constant, or a constant times the count, over the generated tokens.)
 
     Ids >= vocab size are ignored, which also makes them usable as padding when rows have
     histories of different lengths (a real pad token id *would* be penalized).
