@@ -54,7 +54,8 @@ def test_small_batch_linear_is_f_linear(rows, d_out, d_in):
 
 def test_compiled_engine_equals_eager_engine_and_compiles_two_programs(tiny_llama):
     """Mixed prompt lengths, batch sizes 1..4, growing block tables, three block sizes and pool
-    sizes: one program for a single row and one for every other shape, never one per size."""
+    sizes: for each compiled region (a layer, the LM head), one program for a single row and
+    one for every other shape — never one per size, nor one per layer."""
     from torch._dynamo.utils import counters
 
     _, model, tok = tiny_llama
@@ -72,7 +73,7 @@ def test_compiled_engine_equals_eager_engine_and_compiles_two_programs(tiny_llam
         other_eager = Engine(model, tok, compile=False, block_size=block_size, kv_cache_tokens=pool_tokens)
         assert [c.token_ids for c in other.generate(prompts, params)] == \
             [c.token_ids for c in other_eager.generate(prompts, params)]
-    assert counters["stats"]["unique_graphs"] <= 2
+    assert counters["stats"]["unique_graphs"] <= 4  # {layer, head} x {rows=1, rows>1}
     assert set(engine.runner.compile_seconds) == {"rows=1", "rows>1"}
 
 

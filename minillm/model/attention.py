@@ -92,19 +92,22 @@ class Attention(torch.nn.Module):
         sin: torch.Tensor,
         mask: torch.Tensor | None,
         cache: KVCache | None = None,
+        layer_idx: int | None = None,
     ) -> torch.Tensor:
         """``x`` [batch, seq, hidden] -> [batch, seq, hidden]. With a ``cache``, the new keys and
-        values are stored and attention runs over everything stored so far."""
+        values are stored and attention runs over everything stored so far; ``layer_idx`` says
+        which of the cache's layers they are (default: this module's own index)."""
+        layer = self.layer_idx if layer_idx is None else layer_idx
         batch, seq, _ = x.shape
         q = self.q_proj(x).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if getattr(cache, "reads_in_place", False):  # the paged step: it attends through its block tables
-            out = cache.attend(self.layer_idx, q, k, v)
+            out = cache.attend(layer, q, k, v)
             return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
         if cache is not None:
-            k, v = cache.update(self.layer_idx, k, v)
+            k, v = cache.update(layer, k, v)
         if self.use_sdpa:
             out = attention_sdpa(q, k, v, mask)
         else:

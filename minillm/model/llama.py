@@ -31,8 +31,8 @@ class Block(torch.nn.Module):
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
-                cache: KVCache | None = None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
+                cache: KVCache | None = None, layer_idx: int | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer_idx)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
