@@ -145,7 +145,7 @@ def test_stops_at_the_first_failure(capsys):
 
 import torch  # noqa: E402
 
-from minillm.exercises import Mistake, forbid_calls, nb03  # noqa: E402
+from minillm.exercises import Mistake, copies_made, forbid_calls, forbid_copies, nb03  # noqa: E402
 
 
 def test_hints_reveal_in_tiers(capsys):
@@ -197,9 +197,38 @@ def test_a_rule_fails_a_right_answer_computed_the_forbidden_way(capsys):
     x = torch.arange(3)
     assert check("r", lambda t: t.repeat_interleave(2), [((x,), torch.tensor([0, 0, 1, 1, 2, 2]))], rules=[rule]) is False
     assert "values are right, but it calls `repeat_interleave`: no copies" in capsys.readouterr().out
-    assert check("r", lambda t: t[:, None].expand(3, 2).flatten(), [((x,), torch.tensor([0, 0, 1, 1, 2, 2]))],
-                 rules=[forbid_calls({}, broadcast_copy="expanded")]) is False
-    assert "copies an expanded view: expanded" in capsys.readouterr().out
+
+
+def test_a_call_rule_on_one_argument_ignores_the_others(capsys):
+    rule = forbid_calls({"repeat": "no copies of t"}, on={0: "t"})
+    t, u = torch.arange(3), torch.ones(2)
+    cases = [((t, u), torch.tensor([0.0, 2.0, 4.0, 0.0, 2.0, 4.0]))]
+    assert check("r", lambda t, u: (t * 2).repeat(2) * u.repeat(3), cases, rules=[rule]) is True  # t * 2 is new
+    assert check("r", lambda t, u: t.repeat(2) * 2 * u.repeat(3), cases, rules=[rule]) is False
+    assert "it calls `repeat` on t: no copies of t" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "fn, copies",
+    [
+        (lambda t: t[:, None].expand(3, 2).flatten(), True),  # materialising an expand() copies
+        (lambda t: t.double()[:, None].expand(3, 2).reshape(6), True),  # a copy of a copy is followed
+        (lambda t: torch.cat([t, t]), True),
+        (lambda t: t[:, None].expand(3, 2).transpose(0, 1), False),  # views only
+        (lambda t: t.double() * 2, False),  # a same-size result is not a copy of t over and over
+    ],
+    ids=["expand-flatten", "through-a-cast", "cat", "views", "same-size"],
+)
+def test_a_copy_rule_sees_the_aten_ops(capsys, fn, copies):
+    rule = forbid_copies({0: "t"}, "keep it a view")
+    assert (rule(fn, (torch.arange(3.0),)) is not None) is copies
+
+
+def test_a_broadcast_matmul_copies_its_operand_and_a_batched_one_does_not():
+    q, k = torch.randn(2, 3, 4, 5, 8), torch.randn(2, 3, 7, 8)
+    broadcast = copies_made(lambda q, k: q @ k[:, :, None].transpose(-2, -1), (q, k), {1: "K"})
+    assert [(c.what, c.op, c.call, c.times) for c in broadcast] == [("K", "clone", "matmul", 4.0)]  # `@` is torch.matmul
+    assert copies_made(lambda q, k: q.reshape(2, 3, 20, 8) @ k.transpose(-2, -1), (q, k), {1: "K"}) == []
 
 
 # --- notebook 03 ---------------------------------------------------------------------------------
@@ -236,7 +265,30 @@ def test_nb03_mask_mistakes_are_named(capsys, wrong, says):
     assert says in capsys.readouterr().out
 
 
+def _gqa_rows(q, k, v, mask, repeat_mask=False):
+    """The group folded into the query rows: a plain batched matmul, no copy of K or V."""
+    b, h, t, d = q.shape
+    n_kv, k_len = k.shape[1], k.shape[2]
+    g = h // n_kv
+    scores = q.reshape(b, n_kv, g * t, d) @ k.transpose(-2, -1) / d**0.5
+    if repeat_mask:  # the mask copied per group (rows g*t + i): allowed, it is not K or V
+        scores = scores.masked_fill(~mask.repeat(1, 1, g, 1), float("-inf"))
+    else:
+        scores = scores.view(b, n_kv, g, t, k_len).masked_fill(~mask[:, :, None], float("-inf"))
+    weights = torch.softmax(scores, dim=-1).view(b, n_kv, g * t, k_len)
+    return (weights @ v).view(b, h, t, d)
+
+
+def _gqa_einsum(q, k, v, mask):
+    b, h, t, d = q.shape
+    qg = q.view(b, k.shape[1], h // k.shape[1], t, d)
+    scores = torch.einsum("bngtd,bnkd->bngtk", qg, k) / d**0.5
+    weights = torch.softmax(scores.masked_fill(~mask[:, :, None], float("-inf")), dim=-1)
+    return torch.einsum("bngtk,bnkd->bngtd", weights, v).reshape(b, h, t, d)
+
+
 def _gqa_broadcast(q, k, v, mask):
+    """k[:, :, None] broadcast over the group in a matmul: matmul expands and copies it."""
     b, h, t, d = q.shape
     qg = q.view(b, k.shape[1], h // k.shape[1], t, d)
     scores = (qg @ k[:, :, None].transpose(-2, -1)) / d**0.5
@@ -254,19 +306,30 @@ def _gqa_with(expand_kv):
     return gqa
 
 
-def test_nb03_gqa_broadcast_passes(capsys):
-    assert nb03.check_gqa_attention(_gqa_broadcast) is True
+@pytest.mark.parametrize(
+    "right",
+    [_gqa_rows, functools.partial(_gqa_rows, repeat_mask=True), _gqa_einsum],
+    ids=["fold-into-rows", "fold-with-mask-repeat", "einsum"],
+)
+def test_nb03_gqa_copy_free_answers_pass(capsys, right):
+    assert nb03.check_gqa_attention(right) is True, capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
     "wrong, says",
     [
-        (_gqa_with(lambda x, n: x.repeat(1, n, 1, 1)), "not `repeat`"),
-        (_gqa_with(lambda x, n: x.repeat_interleave(n, dim=1)), "it calls `repeat_interleave`"),
+        (_gqa_with(lambda x, n: x.repeat(1, n, 1, 1)), "`repeat` tiles them"),
+        (_gqa_with(lambda x, n: x.repeat_interleave(n, dim=1)), "it calls `repeat_interleave` on K"),
+        (_gqa_with(lambda x, n: torch.repeat_interleave(x, n, dim=1)), "it calls `repeat_interleave` on K"),
         (_gqa_with(lambda x, n: x[:, :, None].expand(-1, -1, n, -1, -1).reshape(x.shape[0], -1, *x.shape[2:])),
-         "copies an expanded view"),
+         "`reshape` copied K into a tensor 2× its size"),
+        (_gqa_broadcast, "`matmul` copied K into a tensor 2× its size (aten.clone)"),
+        (lambda q, k, v, mask: torch.nn.functional.scaled_dot_product_attention(q, k, v, mask,
+                                                                               enable_gqa=True),
+         "it calls `scaled_dot_product_attention`"),
     ],
-    ids=["repeat-vs-repeat_interleave", "copy-by-repeat_interleave", "copy-by-expand-reshape"],
+    ids=["repeat-vs-repeat_interleave", "k.repeat_interleave", "torch.repeat_interleave",
+         "copy-by-expand-reshape", "broadcast-matmul", "sdpa"],
 )
 def test_nb03_gqa_mistakes_are_named(capsys, wrong, says):
     assert nb03.check_gqa_attention(wrong) is False

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 Case = tuple[tuple[Any, ...], Any]
 # A rule looks at how the learner's function computed its answer (it gets the function and one
@@ -196,41 +198,141 @@ def _short(value: Any, limit: int = 120) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _storages(tree: Any) -> set[int]:
+    """The addresses of the storages behind every tensor in ``tree`` (a view shares its base's)."""
+    found = set()
+    for leaf in tree_flatten(tree)[0]:
+        if isinstance(leaf, torch.Tensor):
+            try:
+                found.add(leaf.untyped_storage().data_ptr())
+            except (RuntimeError, NotImplementedError):  # a tensor without storage (sparse, meta...)
+                continue
+    return found
+
+
 class _CallRecorder(torch.overrides.TorchFunctionMode):
-    """Records the name of every torch function and tensor method called inside it."""
+    """Records every torch function and tensor method called inside it, with the storages of its
+    tensor arguments, and names the call in progress (for :class:`_CopyRecorder`)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.names: set[str] = set()
-        self.copied_broadcast = False
+        self.calls: list[tuple[str, set[int]]] = []
+        self.current = ""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         name = getattr(func, "__name__", str(func))
-        self.names.add(name)
-        if name in ("contiguous", "clone", "reshape", "flatten") and args and isinstance(args[0], torch.Tensor):
-            if 0 in args[0].stride() and args[0].numel() > 1:  # materialising an expand()
-                self.copied_broadcast = True
-        return func(*args, **(kwargs or {}))
+        self.calls.append((name, _storages((args, kwargs))))
+        outer, self.current = self.current, name
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self.current = outer
 
 
-def forbid_calls(forbidden: dict[str, str], broadcast_copy: str = "") -> Rule:
+# aten ops whose result combines its inputs by a sum of products: scores from q and k are not a copy
+# of k, however large. Every other op that reads a watched tensor and writes a new one makes a copy.
+_CONTRACTIONS = frozenset({"mm", "bmm", "addmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "vdot"})
+
+
+@dataclass(frozen=True)
+class Copy:
+    """The data of a watched argument written out again, ``times`` over: by the aten op ``op``,
+    inside the torch call ``call`` the learner made (``matmul`` runs ``expand`` then ``clone``)."""
+
+    what: str
+    op: str
+    call: str
+    times: float
+
+
+class _CopyRecorder(TorchDispatchMode):
+    """Sees the aten ops that actually run — those inside ``matmul`` or ``reshape`` included — and
+    records each one that writes a watched tensor's data into a new tensor larger than it. A copy
+    of a watched tensor of the same size (``k.float()``, ``k.mT.contiguous()``) is watched in turn."""
+
+    def __init__(self, watched: dict[int, tuple[str, int]], calls: _CallRecorder) -> None:
+        super().__init__()
+        self.watched = dict(watched)  # storage address -> (name, number of elements)
+        self.calls = calls
+        self.copies: list[Copy] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        op = func.__name__.split(".")[0]
+        read = [self.watched[address] for address in _storages((args, kwargs)) if address in self.watched]
+        if not read or op in _CONTRACTIONS:
+            return out
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        written = _storages(outputs)
+        if written & self.watched.keys():  # a view (expand, transpose, view) or an in-place op
+            return out
+        what, numel = read[0]
+        self.watched.update({address: (what, numel) for address in written})
+        size = sum(t.numel() for t in outputs)
+        if numel and size > numel:
+            self.copies.append(Copy(what, op, self.calls.current, size / numel))
+        return out
+
+
+def copies_made(fn: Callable[..., Any], args: tuple[Any, ...], of: dict[int, str]) -> list[Copy]:
+    """Run ``fn(*args)`` and return every copy it made of the arguments ``of`` (position -> name).
+
+    A copy is any aten op that writes a watched argument's data (or a same-size copy of it) into a
+    new tensor with more elements than the argument: ``repeat_interleave``, ``cat``, an ``expand()``
+    made contiguous — including the one ``torch.matmul`` makes when it broadcasts an operand over a
+    batch dimension the operand does not have. Views, and products like ``q @ k.mT``, are not copies.
+    """
+    watched = {}
+    for position, name in of.items():
+        tensor = args[position]
+        watched.update({address: (name, tensor.numel()) for address in _storages(tensor)})
+    calls = _CallRecorder()
+    with calls, _CopyRecorder(watched, calls) as recorder:
+        fn(*args)
+    return recorder.copies
+
+
+def forbid_calls(forbidden: dict[str, str], on: dict[int, str] | None = None) -> Rule:
     """A rule: the learner's function calls none of ``forbidden`` (name -> why not).
 
-    With ``broadcast_copy``, materialising an ``expand()``-ed view (``.contiguous()``,
-    ``.reshape`` or ``.clone()`` of a tensor with a zero stride) is refused with that reason too.
+    With ``on`` (position of an argument -> its name, ``{1: "K", 2: "V"}``), a call counts only when
+    one of its tensor arguments is such an argument or a view of it (the same storage):
+    ``k.repeat(...)`` breaks the rule, ``mask.repeat(...)`` does not.
     """
 
     def rule(fn: Callable[..., Any], args: tuple[Any, ...]) -> str | None:
+        watched = {address: name for position, name in (on or {}).items() for address in _storages(args[position])}
         with _CallRecorder() as recorder:
             try:
                 fn(*args)
             except Exception:  # the values already passed; a rule only reports what it saw
                 return None
-        for name, why in forbidden.items():
-            if name in recorder.names:
-                return f"it calls `{name}`: {why}"
-        if broadcast_copy and recorder.copied_broadcast:
-            return f"it copies an expanded view: {broadcast_copy}"
+        for name, storages in recorder.calls:
+            if name not in forbidden:
+                continue
+            if on is None:
+                return f"it calls `{name}`: {forbidden[name]}"
+            hit = [watched[address] for address in storages if address in watched]
+            if hit:
+                return f"it calls `{name}` on {hit[0]}: {forbidden[name]}"
         return None
+
+    return rule
+
+
+def forbid_copies(of: dict[int, str], why: str) -> Rule:
+    """A rule: the learner's function makes no copy (see :func:`copies_made`) of the arguments
+    ``of`` (position -> name); ``why`` says what to do instead."""
+
+    def rule(fn: Callable[..., Any], args: tuple[Any, ...]) -> str | None:
+        try:
+            copies = copies_made(fn, args, of)
+        except Exception:  # the values already passed; a rule only reports what it saw
+            return None
+        if not copies:
+            return None
+        first = copies[0]
+        inside = f"`{first.call}`" if first.call else "an operation"  # `a @ b` is recorded as matmul
+        return f"{inside} copied {first.what} into a tensor {first.times:g}× its size (aten.{first.op}): {why}"
 
     return rule

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from minillm.exercises import Mistake, check, forbid_calls
+from minillm.exercises import Mistake, check, forbid_calls, forbid_copies
 from minillm.model.attention import attention_explicit, build_mask, repeat_kv
 
 MaskFn = Callable[[torch.Tensor, int, int], torch.Tensor]
@@ -130,8 +130,8 @@ def _gqa_softmax_over_queries(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 GQA_MISTAKES = [
     Mistake(
         _gqa_tiled,
-        "query head h must use KV head h // groups (heads 0,1,2 share KV head 0): that is `repeat_interleave`, "
-        "not `repeat`, which tiles them 0,1,2,0,1,2.",
+        "query head h must use KV head h // groups (heads 0, 1, 2 share KV head 0); `repeat` tiles them "
+        "0,1,2,0,1,2 — and copies K and V. Group the query heads instead.",
     ),
     Mistake(_gqa_unscaled, "the scores are not divided by sqrt(head_dim)."),
     Mistake(_gqa_unmasked, "the mask is not applied: every query sees the future."),
@@ -139,30 +139,45 @@ GQA_MISTAKES = [
 ]
 
 GQA_HINTS = [
-    "Group the query heads by the KV head they share: q.view(batch, n_kv_heads, groups, q_len, head_dim).",
-    "k[:, :, None] has shape [batch, n_kv_heads, 1, seq, head_dim] and broadcasts over the group in a matmul: "
-    "no copy of K is made.",
-    "scores = qg @ k[:, :, None].transpose(-2, -1) / sqrt(head_dim); masked_fill(~mask[:, :, None], -inf) "
-    "(the mask gets the group axis too); softmax(dim=-1); @ v[:, :, None]; reshape back to "
-    "[batch, n_heads, q_len, head_dim].",
+    "Leave K and V alone and regroup the *queries*: the query heads that share KV head j are consecutive "
+    "(heads j*groups ... j*groups + groups - 1), so q.reshape(batch, n_kv_heads, groups * q_len, head_dim) "
+    "stacks each group's queries as extra rows over its one KV head.",
+    "Then rows @ k.transpose(-2, -1) is a plain batched matmul, batch dims [batch, n_kv_heads] on both sides: "
+    "nothing broadcasts, nothing is copied. (Broadcasting k[:, :, None] against a 5-D q is not free: "
+    "torch.matmul expands the broadcast operand and copies it, groups times.) For the mask, view the scores "
+    "as [batch, n_kv_heads, groups, q_len, k_len] and use mask[:, :, None].",
+    "scores = q.reshape(b, n_kv, groups * q_len, d) @ k.transpose(-2, -1) / math.sqrt(d); "
+    "scores = scores.view(b, n_kv, groups, q_len, k_len).masked_fill(~mask[:, :, None], float('-inf')); "
+    "weights = scores.softmax(-1).view(b, n_kv, groups * q_len, k_len); "
+    "return (weights @ v).view(b, n_heads, q_len, d).",
 ]
 
-NO_COPY = forbid_calls(
+KV = {1: "K", 2: "V"}  # the positions of k and v among gqa_attention's arguments
+
+NO_KV_CALLS = forbid_calls(
     {
-        "repeat_interleave": "that makes groups copies of K and V; broadcast a view instead (k[:, :, None]).",
-        "repeat": "that copies K and V (and tiles the heads in the wrong order).",
-        "tile": "that copies K and V; broadcast a view instead.",
-        "scaled_dot_product_attention": "write the scores, the mask and the softmax yourself.",
+        "repeat_interleave": "that makes groups copies of it; regroup the queries instead.",
+        "repeat": "that copies it (and tiles the heads in the wrong order).",
+        "tile": "that copies it; regroup the queries instead.",
     },
-    broadcast_copy="reshaping k.expand(...) to n_heads heads copies K; keep the group dimension and let the matmul broadcast.",
+    on=KV,
+)
+NO_SDPA = forbid_calls({"scaled_dot_product_attention": "write the scores, the mask and the softmax yourself."})
+NO_KV_COPIES = forbid_copies(
+    KV,
+    "one copy per query head of the group. A matmul that broadcasts k[:, :, None] over the group copies "
+    "too (torch.matmul expands the broadcast operand, then reshapes it into one batch); fold the group "
+    "into the query rows instead: q.reshape(batch, n_kv_heads, groups * q_len, head_dim).",
 )
 
 
 def check_gqa_attention(fn: AttentionFn, hint: int = 0) -> bool:
     """``fn(q [b, n_heads, q_len, d], k, v [b, n_kv_heads, k_len, d], mask [b or 1, 1, q_len, k_len])``
-    -> ``[b, n_heads, q_len, d]``, without copying K or V."""
+    -> ``[b, n_heads, q_len, d]``, without copying K or V: no aten op may write their numbers into a
+    larger tensor (copies of the mask or of q are fine)."""
     return check(
-        "gqa_attention", fn, _gqa_cases(), hint=hint, hints=GQA_HINTS, mistakes=GQA_MISTAKES, rules=[NO_COPY]
+        "gqa_attention", fn, _gqa_cases(), hint=hint, hints=GQA_HINTS, mistakes=GQA_MISTAKES,
+        rules=[NO_KV_CALLS, NO_SDPA, NO_KV_COPIES],
     )
 
 
