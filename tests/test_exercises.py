@@ -231,6 +231,16 @@ def test_a_broadcast_matmul_copies_its_operand_and_a_batched_one_does_not():
     assert copies_made(lambda q, k: q.reshape(2, 3, 20, 8) @ k.transpose(-2, -1), (q, k), {1: "K"}) == []
 
 
+def test_every_copy_is_counted_even_where_freed_memory_is_reused():
+    k, v = torch.randn(1, 3, 64, 8), torch.randn(1, 3, 64, 8)
+
+    def two_copies(k, v):
+        torch.cat([k, k]).sum()  # freed at once: the next copy may land at the same address
+        return torch.cat([v, v])
+
+    assert [(c.what, c.times) for c in copies_made(two_copies, (k, v), {0: "K", 1: "V"})] == [("K", 2.0), ("V", 2.0)]
+
+
 # --- notebook 03 ---------------------------------------------------------------------------------
 
 

@@ -255,6 +255,7 @@ class _CopyRecorder(TorchDispatchMode):
         self.watched = dict(watched)  # storage address -> (name, number of elements)
         self.calls = calls
         self.copies: list[Copy] = []
+        self._alive: list[torch.Tensor] = []  # the watched copies, kept so no address is reused
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
@@ -268,6 +269,7 @@ class _CopyRecorder(TorchDispatchMode):
             return out
         what, numel = read[0]
         self.watched.update({address: (what, numel) for address in written})
+        self._alive.extend(outputs)
         size = sum(t.numel() for t in outputs)
         if numel and size > numel:
             self.copies.append(Copy(what, op, self.calls.current, size / numel))
