@@ -227,7 +227,8 @@ def test_a_copy_rule_sees_the_aten_ops(capsys, fn, copies):
 def test_a_broadcast_matmul_copies_its_operand_and_a_batched_one_does_not():
     q, k = torch.randn(2, 3, 4, 5, 8), torch.randn(2, 3, 7, 8)
     broadcast = copies_made(lambda q, k: q @ k[:, :, None].transpose(-2, -1), (q, k), {1: "K"})
-    assert [(c.what, c.op, c.call, c.times) for c in broadcast] == [("K", "clone", "matmul", 4.0)]  # `@` is torch.matmul
+    # `@` is recorded as torch.matmul; inside it aten.clone copies k, expanded over the group of 4
+    assert [(c.what, c.op, c.call, c.times) for c in broadcast] == [("K", "clone", "matmul", 4.0)]
     assert copies_made(lambda q, k: q.reshape(2, 3, 20, 8) @ k.transpose(-2, -1), (q, k), {1: "K"}) == []
 
 
