@@ -39,7 +39,7 @@ def demo() -> None:
 
     engine = Engine(model, tok)
     # Compile the decode step first (one row; several rows), so the speeds below are the engine's own.
-    print("compiling the decode step (minutes the very first time, seconds once cached)...", flush=True)
+    print("compiling the decode step (about a minute the very first time, seconds once cached)...", flush=True)
     engine.generate(["Hello"], SamplingParams(max_new_tokens=2))
     engine.generate(["Hello", "Hi"], SamplingParams(max_new_tokens=2))
     compile_s = sum(engine.runner.compile_seconds.values())
