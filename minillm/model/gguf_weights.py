@@ -77,6 +77,45 @@ def unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
 
 
+# GGUF tensor types kept as blocks by ``load_model(weights="native")``
+NATIVE_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
+
+
+def read_gguf_blocks(path: Path, tensors: dict[str, GGUFTensor],
+                     config: ModelConfig) -> dict[str, tuple[str, dict[str, torch.Tensor]]]:
+    """The quantized matrices of a GGUF file as blocks, not expanded: module name -> (format,
+    ``{"qs", "d"[, "m"]}``). Float tensors (norms, F32/F16 matrices) are left to the float loader;
+    a quantized type minillm cannot run packed is refused, named with its tensor.
+
+    Q and K rows are un-permuted like the float weights: a block runs along a row, so moving
+    whole rows (with their scales) is exact.
+    """
+    from minillm.model.quant import from_gguf_blocks
+
+    blocks = {}
+    for name, tensor in tensors.items():
+        type_name = tensor.tensor_type.name
+        if type_name in ("F32", "F16", "BF16", "F64"):
+            continue
+        if type_name not in NATIVE_TYPES:
+            raise FileFormatError(
+                f"{path}: tensor {tensor.name} is {type_name}, which weights='native' cannot keep packed "
+                f"(supported: {', '.join(NATIVE_TYPES)}); load with weights='float32', 'q8_0' or 'q4_0'"
+            )
+        fmt = NATIVE_TYPES[type_name]
+        parts = from_gguf_blocks(tensor.data, fmt)
+        for key, value in parts.items():
+            if value.is_floating_point() and not torch.isfinite(value).all():
+                raise FileFormatError(f"{path}: tensor {tensor.name} ({type_name}) has NaN or infinite block "
+                                      f"{'scales' if key == 'd' else 'minimums'}")
+        if config.architecture == "llama" and name.endswith("q_proj.weight"):
+            parts = {key: torch.from_numpy(unpermute(value.numpy(), config.n_heads)) for key, value in parts.items()}
+        elif config.architecture == "llama" and name.endswith("k_proj.weight"):
+            parts = {key: torch.from_numpy(unpermute(value.numpy(), config.n_kv_heads)) for key, value in parts.items()}
+        blocks[name.removeprefix("model.").removesuffix(".weight")] = (fmt, parts)
+    return blocks
+
+
 def read_gguf_state_dict(path: Path, tensors: dict[str, GGUFTensor], config: ModelConfig,
                          progress: bool = True) -> dict[str, torch.Tensor]:
     """Dequantize ``tensors`` (transformers name -> GGUF tensor) into float32.

@@ -58,11 +58,12 @@ class Transformer(torch.nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
+        return self.norm.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
+        """The activations' dtype (the final norm's: it stays float when weights are quantized)."""
+        return self.norm.weight.dtype
 
     def set_attention_backend(self, backend: str) -> None:
         """'sdpa' (PyTorch's fused kernel, the default) or 'explicit' (the math written out)."""

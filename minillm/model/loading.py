@@ -31,8 +31,9 @@ from minillm.assets import default_gguf_path
 from minillm.errors import FileFormatError
 from minillm.gguf_io import gguf_fields, open_gguf
 from minillm.model.config import GGUF_NAMES, HF_NAMES, ModelConfig
-from minillm.model.gguf_weights import gguf_tensors, read_gguf_state_dict
+from minillm.model.gguf_weights import gguf_tensors, read_gguf_blocks, read_gguf_state_dict
 from minillm.model.llama import Transformer
+from minillm.model.quant import FORMATS, quantize_model, use_blocks
 from minillm.model.rope import RotaryEmbedding
 from minillm.safe_io import member_file, read_json, regular_file
 from minillm.tokenizer import Tokenizer
@@ -64,6 +65,7 @@ def load_model(
     *,
     device: str | torch.device | None = None,
     dtype: torch.dtype | str | None = None,
+    weights: str | None = None,
 ) -> tuple[Transformer, Tokenizer]:
     """Load a Llama-family model and its tokenizer.
 
@@ -74,6 +76,11 @@ def load_model(
         device: where the weights go (default: CUDA when available, else CPU).
         dtype: weight dtype, a ``torch.dtype`` or its name: float32 (the default), bfloat16,
             float16 or float64.
+        weights: how the matrices are stored in memory (notebook 11). "float32" / "bfloat16":
+            plain floats (the same as ``dtype``; float32 is the parity reference). "native": a
+            GGUF file's Q8_0 / Q4_0 / Q4_1 tensors stay in their blocks (the default model: Q4_1
+            layers, a Q8_0 table). "q8_0" / "q4_0" / "q4_1": quantize the float weights at load
+            (any source; the table stays Q8_0). Activations stay in ``dtype``.
 
     Raises:
         FileNotFoundError: nothing at ``source``, or a file the checkpoint needs is missing.
@@ -82,20 +89,47 @@ def load_model(
         TypeError, ValueError: a bad argument, named with the values accepted.
     """
     device = _device(device)
-    dtype = _dtype(dtype)
+    dtype = _weights_dtype(weights, _dtype(dtype), dtype is not None)
     if source is None:
-        folder = convert_gguf(default_gguf_path())
-        return load_checkpoint(folder, device, dtype)
-    if not isinstance(source, (str, os.PathLike)):
-        raise TypeError(f"source must be a path (str or Path) or None, got {type(source).__name__}")
-    path = Path(source)
-    if not path.exists():
-        raise FileNotFoundError(f"no model at {path}: expected a .gguf file or an HF checkpoint folder")
-    if path.is_dir():
-        return load_checkpoint(path, device, dtype)
-    if path.suffix == ".gguf":
-        return load_gguf(path, device, dtype)
-    raise FileFormatError(f"{path}: not a .gguf file or a checkpoint folder")
+        path = default_gguf_path()
+        model, tokenizer = load_checkpoint(convert_gguf(path), device, dtype)
+    else:
+        if not isinstance(source, (str, os.PathLike)):
+            raise TypeError(f"source must be a path (str or Path) or None, got {type(source).__name__}")
+        path = Path(source)
+        if not path.exists():
+            raise FileNotFoundError(f"no model at {path}: expected a .gguf file or an HF checkpoint folder")
+        if path.is_dir():
+            model, tokenizer = load_checkpoint(path, device, dtype)
+        elif path.suffix == ".gguf":
+            model, tokenizer = load_gguf(path, device, dtype)
+        else:
+            raise FileFormatError(f"{path}: not a .gguf file or a checkpoint folder")
+    if weights == "native":
+        if path.suffix != ".gguf":
+            raise ValueError(f"weights='native' keeps a GGUF file's blocks, and {path} is an HF checkpoint of float "
+                             "weights: use weights='q8_0' or 'q4_0' to quantize it at load")
+        reader = open_gguf(path)
+        use_blocks(model, read_gguf_blocks(path, gguf_tensors(path, reader), model.config))
+    elif weights in FORMATS:
+        quantize_model(model, weights)
+    return model, tokenizer
+
+
+WEIGHTS = ("float32", "bfloat16", "native", *FORMATS)
+
+
+def _weights_dtype(weights: str | None, dtype: torch.dtype, dtype_given: bool) -> torch.dtype:
+    """The activations' dtype for a ``weights`` choice (checked against an explicit ``dtype``)."""
+    if weights is None:
+        return dtype
+    if not isinstance(weights, str) or weights not in WEIGHTS:
+        raise ValueError(f"weights={weights!r} is not one of {', '.join(WEIGHTS)}")
+    if weights in ("float32", "bfloat16"):
+        if dtype_given and dtype != DTYPES[weights]:
+            raise ValueError(f"weights={weights!r} and dtype={dtype} disagree: pass one of them")
+        return DTYPES[weights]
+    return dtype
 
 
 def _device(device: str | torch.device | None) -> torch.device:

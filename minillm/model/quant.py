@@ -1,0 +1,277 @@
+"""Quantized weights: llama.cpp's block formats kept packed in memory (notebook 11).
+
+Decoding one token reads every weight once, so on a memory-bound step the bytes per weight
+set the speed: float32 costs 4 bytes, Q8_0 1.06, Q4_1 0.63. A *block format* cuts a row of
+weights into blocks of 32 and stores, per block, small integers plus a float16 scale:
+
+* **Q8_0** (34 bytes per 32 weights): ``w = d * q``, ``q`` an int8 in [-127, 127], ``d =
+  absmax / 127``. Symmetric ("absmax"): zero stays exactly zero.
+* **Q4_0** (18 bytes): ``w = d * (q - 8)``, ``q`` 4 bits in [0, 15], ``d = max / -8`` where
+  ``max`` is the block's entry of largest magnitude, with its sign (that entry maps to -8).
+* **Q4_1** (20 bytes): ``w = d * q + m``, ``q`` 4 bits, ``m`` the block's minimum, ``d =
+  (max - min) / 15``. Asymmetric ("min-max"): it spends a second scale to use all 16 levels
+  on the block's actual range.
+
+In the file, a 4-bit block packs two weights per byte: byte ``j`` holds weight ``j`` in its low
+nibble and weight ``j + 16`` in its high nibble. Here a quantized matrix is kept as tensors,
+``qs`` [out, blocks, 32] int8 (Q8_0) or [out, blocks, 16] uint8 (Q4), and ``d`` (and ``m``)
+[out, blocks] float16 — the file's bytes, rearranged, not expanded.
+
+``QuantizedLinear`` multiplies by such a matrix. Decoding one token (one row, compiled on a
+CPU) it is written as a reduction over the packed integers — ``(q.float() * d * x).sum()`` —
+which ``torch.compile`` turns into one loop that reads each packed byte once and dequantizes
+it in registers; the float matrix never exists. Everything else (prefill, batched steps,
+eager calls, other devices) dequantizes into a float matrix and calls ``F.linear``: a matrix
+product reuses each weight for many rows, so its cost is compute, not bytes.
+
+The quantizers reproduce ggml's reference code bit for bit (checked against the ``gguf``
+package), including its rounding: half away from zero for Q8_0, ``trunc(x + 0.5)`` for Q4.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+BLOCK_SIZE = 32
+FORMATS = ("q8_0", "q4_0", "q4_1")
+BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}  # bytes per block of 32 weights, as in a GGUF file
+
+
+def _check_format(fmt: str) -> None:
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown quantization format {fmt!r}: expected one of {', '.join(FORMATS)}")
+
+
+def _round_half_away(x: torch.Tensor) -> torch.Tensor:
+    """C's ``roundf`` (halves away from zero), as ggml rounds; ``torch.round`` rounds halves to even."""
+    a = x.abs()
+    floored = a.floor()
+    return torch.sign(x) * (floored + torch.floor(2 * (a - floored)))
+
+
+def _reciprocal_or_zero(d: torch.Tensor) -> torch.Tensor:
+    """``1 / d``, and 0 where ``d`` is 0 (an all-zero block quantizes to zeros)."""
+    return torch.where(d == 0, torch.zeros_like(d), 1 / torch.where(d == 0, torch.ones_like(d), d))
+
+
+def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """[..., 32] values in [0, 15] -> [..., 16] bytes: weight j low, weight j + 16 high."""
+    return q[..., :16] | (q[..., 16:] << 4)
+
+
+def unpack_nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """[..., 16] bytes -> [..., 32] values in [0, 15], in the weights' order."""
+    return torch.cat([qs & 15, qs >> 4], dim=-1)
+
+
+def quantize(w: torch.Tensor, fmt: str, name: str = "weight") -> dict[str, torch.Tensor]:
+    """Quantize a float matrix [out, in] into ``fmt`` blocks along ``in``: ``{"qs", "d"[, "m"]}``.
+
+    The arithmetic follows ggml's reference quantizers step by step in float32, so the result
+    equals ``gguf.quants.quantize`` bit for bit. ``in`` must be a multiple of 32.
+    """
+    _check_format(fmt)
+    if w.dim() != 2 or w.shape[1] % BLOCK_SIZE:
+        raise ValueError(f"cannot quantize {name} of shape {list(w.shape)} to {fmt.upper()}: its rows must be "
+                         f"whole blocks of {BLOCK_SIZE} values")
+    blocks = w.detach().to("cpu", torch.float32).reshape(w.shape[0], -1, BLOCK_SIZE)
+    if not torch.isfinite(blocks).all():
+        raise ValueError(f"cannot quantize {name}: it holds NaN or infinite values")
+    if fmt == "q8_0":
+        d = blocks.abs().amax(-1, keepdim=True) / 127
+        q = _round_half_away(blocks * _reciprocal_or_zero(d)).to(torch.int8)
+        return {"qs": q, "d": d[..., 0].half()}
+    if fmt == "q4_0":
+        index = blocks.abs().argmax(-1, keepdim=True)  # the first entry of largest magnitude
+        d = torch.gather(blocks, -1, index) / -8
+        q = torch.trunc(blocks * _reciprocal_or_zero(d) + 8.5).clamp(0, 15).to(torch.uint8)
+        return {"qs": _pack_nibbles(q), "d": d[..., 0].half()}
+    low = blocks.amin(-1, keepdim=True)
+    d = (blocks.amax(-1, keepdim=True) - low) / 15
+    q = torch.trunc((blocks - low) * _reciprocal_or_zero(d) + 0.5).clamp(0, 15).to(torch.uint8)
+    return {"qs": _pack_nibbles(q), "d": d[..., 0].half(), "m": low[..., 0].half()}
+
+
+def dequantize(fmt: str, qs: torch.Tensor, d: torch.Tensor, m: Optional[torch.Tensor] = None,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The float matrix [out, in] that blocks stand for (``gguf.quants.dequantize``'s numbers)."""
+    _check_format(fmt)
+    scale = d.float()[..., None]
+    if fmt == "q8_0":
+        w = qs.float() * scale
+    elif fmt == "q4_0":
+        w = (unpack_nibbles(qs).float() - 8) * scale
+    else:
+        w = unpack_nibbles(qs).float() * scale + m.float()[..., None]
+    return w.reshape(qs.shape[0], -1).to(dtype)
+
+
+def from_gguf_blocks(raw: np.ndarray, fmt: str) -> dict[str, torch.Tensor]:
+    """A GGUF tensor's bytes, uint8 [rows, bytes per row], as ``{"qs", "d"[, "m"]}`` tensors (a copy)."""
+    _check_format(fmt)
+    rows = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(rows, -1, BLOCK_BYTES[fmt])
+    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0])
+    if fmt == "q8_0":
+        return {"qs": torch.from_numpy(blocks[..., 2:].copy().view(np.int8)), "d": d}
+    if fmt == "q4_0":
+        return {"qs": torch.from_numpy(blocks[..., 2:].copy()), "d": d}
+    m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0])
+    return {"qs": torch.from_numpy(blocks[..., 4:].copy()), "d": d, "m": m}
+
+
+def to_gguf_blocks(fmt: str, qs: torch.Tensor, d: torch.Tensor, m: Optional[torch.Tensor] = None) -> np.ndarray:
+    """The inverse of ``from_gguf_blocks``: the bytes a GGUF file stores, uint8 [rows, bytes per row]."""
+    _check_format(fmt)
+    parts = [d.numpy()[..., None].view(np.uint8)]
+    if fmt == "q4_1":
+        parts.append(m.numpy()[..., None].view(np.uint8))
+    parts.append(qs.numpy().view(np.uint8))
+    return np.concatenate(parts, axis=-1).reshape(qs.shape[0], -1)
+
+
+class QuantizedLinear(torch.nn.Module):
+    """``y = x @ W.T + b`` with ``W`` kept in a block format (see the module docstring).
+
+    Args:
+        fmt: "q8_0", "q4_0" or "q4_1".
+        qs, d, m: the blocks (``quantize`` or ``from_gguf_blocks``); ``m`` only for Q4_1.
+        bias: an optional float bias, kept as it is.
+    """
+
+    def __init__(self, fmt: str, qs: torch.Tensor, d: torch.Tensor, m: Optional[torch.Tensor] = None,
+                 bias: Optional[torch.Tensor] = None) -> None:
+        super().__init__()
+        _check_format(fmt)
+        if (m is not None) != (fmt == "q4_1"):
+            raise ValueError(f"{fmt.upper()} blocks {'need' if fmt == 'q4_1' else 'have no'} minimums (m)")
+        self.fmt = fmt
+        self.out_features = qs.shape[0]
+        self.in_features = qs.shape[1] * BLOCK_SIZE
+        self.register_buffer("qs", qs)
+        self.register_buffer("d", d)
+        self.register_buffer("m", m)
+        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, fmt: str, bias: Optional[torch.Tensor] = None,
+                   name: str = "weight") -> QuantizedLinear:
+        blocks = quantize(weight, fmt, name)
+        blocks = {key: value.to(weight.device) for key, value in blocks.items()}
+        return cls(fmt, **blocks, bias=bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.fmt.upper()}"
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the weight holds in memory (the blocks, not a float copy)."""
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m) if t is not None)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize(self.fmt, self.qs, self.d, self.m, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling() and x.device.type == "cpu" and x.shape[:-1].numel() == 1:
+            y = self._matvec(x.reshape(-1, BLOCK_SIZE).float()).to(x.dtype)
+            if self.bias is not None:
+                y = y + self.bias
+            return y.view(*x.shape[:-1], -1)
+        return F.linear(x, self.dequantize(x.dtype), self.bias)
+
+    def _matvec(self, x: torch.Tensor) -> torch.Tensor:
+        """One row ``x`` [blocks, 32] times the packed matrix: a reduction over (blocks, 32) that the
+        compiler runs as one pass over the packed bytes, each block's scale applied in registers."""
+        d = self.d.float()[..., None]
+        if self.fmt == "q8_0":
+            return (self.qs.float() * (d * x)).sum((-1, -2))
+        low, high = (self.qs & 15).float(), (self.qs >> 4).float()  # weights j and j + 16 of each block
+        x_low, x_high = x[:, :16], x[:, 16:]
+        if self.fmt == "q4_0":
+            return (((low - 8) * x_low + (high - 8) * x_high) * d).sum((-1, -2))
+        # w = d * q + m: the minimums meet each block's sum of x, computed once for every row
+        return ((low * x_low + high * x_high) * d).sum((-1, -2)) + (self.m.float() * x.sum(-1)).sum(-1)
+
+
+class QuantizedEmbedding(torch.nn.Module):
+    """A token embedding table in a block format: each looked-up row is dequantized on the fly.
+
+    With tied embeddings the LM head is a ``QuantizedLinear`` over the very same blocks
+    (``as_linear``), so the table is stored once, as in the file.
+    """
+
+    def __init__(self, table: QuantizedLinear, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.table = table
+        self.dtype = dtype  # the activations' dtype, which the rows are dequantized into
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        t = self.table
+        m = None if t.m is None else t.m[ids]
+        rows = dequantize(t.fmt, t.qs[ids].reshape(-1, *t.qs.shape[1:]), t.d[ids].reshape(-1, t.d.shape[-1]),
+                          None if m is None else m.reshape(-1, m.shape[-1]), self.dtype)
+        return rows.view(*ids.shape, -1)
+
+
+# --------------------------------------------------------------------------- whole models
+# The table and the LM head steer every logit: a 4-bit request keeps them at 8 bits, as
+# llama.cpp keeps its output tensor at higher precision (SmolLM2's own Q4_1 file has a Q8_0
+# table). Norms and biases stay float: they are tiny and every token passes through them.
+TABLE_FORMAT = "q8_0"
+
+
+def quantize_model(model: torch.nn.Module, fmt: str) -> torch.nn.Module:
+    """Replace every linear layer's weight (and the embedding table) by ``fmt`` blocks, in place."""
+    _check_format(fmt)
+    blocks = {name: quantize(module.weight, TABLE_FORMAT if _is_table(name) else fmt, f"{name}.weight")
+              for name, module in _weight_modules(model)}
+    return use_blocks(model, {name: (TABLE_FORMAT if _is_table(name) else fmt, b) for name, b in blocks.items()})
+
+
+def use_blocks(model: torch.nn.Module, blocks: dict[str, tuple[str, dict[str, torch.Tensor]]]) -> torch.nn.Module:
+    """Swap the modules named in ``blocks`` (module name -> (format, {"qs", "d"[, "m"]})) for
+    quantized ones, in place. A tied LM head shares the embedding's blocks."""
+    device = model.norm.weight.device
+    tied = model.lm_head.weight is model.embed_tokens.weight
+    for name, (fmt, tensors) in blocks.items():
+        module = model.get_submodule(name)
+        tensors = {key: value.to(device) for key, value in tensors.items()}
+        bias = getattr(module, "bias", None)
+        quantized = QuantizedLinear(fmt, **tensors, bias=bias)
+        if isinstance(module, torch.nn.Embedding):
+            _set_submodule(model, name, QuantizedEmbedding(quantized, model.norm.weight.dtype))
+            if tied:
+                model.lm_head = quantized
+        else:
+            _set_submodule(model, name, quantized)
+    return model
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of all weights as stored in memory (quantized blocks, float tensors), shared ones once."""
+    seen: dict[int, int] = {}
+    for tensor in [*model.parameters(), *(b for name, b in model.named_buffers() if "rotary" not in name)]:
+        if tensor is not None:
+            seen[tensor.data_ptr()] = tensor.numel() * tensor.element_size()
+    return sum(seen.values())
+
+
+def _is_table(name: str) -> bool:
+    return name in ("embed_tokens", "lm_head")
+
+
+def _weight_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The modules whose weight is a matrix to quantize: every linear layer and the embedding
+    table (a tied LM head is the table itself, listed once)."""
+    tied = model.lm_head.weight is model.embed_tokens.weight
+    return [(name, module) for name, module in model.named_modules()
+            if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)) and not (tied and name == "lm_head")]
+
+
+def _set_submodule(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
