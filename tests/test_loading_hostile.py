@@ -146,9 +146,11 @@ DEFAULT_GGUF_META = {
 
 
 def write_gguf(path: Path, pristine: Path, tokenizer: Tokenizer, meta: dict[str, Any] | None = None,
-               tensors: dict[str, np.ndarray | None] | None = None) -> Path:
+               tensors: dict[str, np.ndarray | None] | None = None, types: dict[str, Any] | None = None) -> Path:
     """The tiny checkpoint as a float32 GGUF (as llama.cpp would convert it), with metadata
-    overrides (a value of None drops the key) and tensor overrides (None drops the tensor)."""
+    overrides (a value of None drops the key) and tensor overrides (None drops the tensor);
+    ``types`` stores the named tensors quantized (GGUF name -> ``GGMLQuantizationType``, or a
+    function of the name), with gguf's own quantizer."""
     import gguf
 
     hf_to_gguf = {hf.removeprefix("model."): g for g, hf in GGUF_TO_HF.items()}
@@ -192,7 +194,11 @@ def write_gguf(path: Path, pristine: Path, tokenizer: Tokenizer, meta: dict[str,
         else:
             writer.add_array(key, value)
     for name, w in state.items():
-        if w is not None:
+        qtype = types(name) if callable(types) else (types or {}).get(name)
+        if w is not None and qtype is not None:
+            writer.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(w, dtype=np.float32), qtype),
+                              raw_dtype=qtype)
+        elif w is not None:
             writer.add_tensor(name, np.ascontiguousarray(w))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -84,16 +84,25 @@ def quantize(w: torch.Tensor, fmt: str, name: str = "weight") -> dict[str, torch
     if fmt == "q8_0":
         d = blocks.abs().amax(-1, keepdim=True) / 127
         q = _round_half_away(blocks * _reciprocal_or_zero(d)).to(torch.int8)
-        return {"qs": q, "d": d[..., 0].half()}
+        return _checked({"qs": q, "d": d[..., 0].half()}, fmt, name)
     if fmt == "q4_0":
         index = blocks.abs().argmax(-1, keepdim=True)  # the first entry of largest magnitude
         d = torch.gather(blocks, -1, index) / -8
         q = torch.trunc(blocks * _reciprocal_or_zero(d) + 8.5).clamp(0, 15).to(torch.uint8)
-        return {"qs": _pack_nibbles(q), "d": d[..., 0].half()}
+        return _checked({"qs": _pack_nibbles(q), "d": d[..., 0].half()}, fmt, name)
     low = blocks.amin(-1, keepdim=True)
     d = (blocks.amax(-1, keepdim=True) - low) / 15
     q = torch.trunc((blocks - low) * _reciprocal_or_zero(d) + 0.5).clamp(0, 15).to(torch.uint8)
-    return {"qs": _pack_nibbles(q), "d": d[..., 0].half(), "m": low[..., 0].half()}
+    return _checked({"qs": _pack_nibbles(q), "d": d[..., 0].half(), "m": low[..., 0].half()}, fmt, name)
+
+
+def _checked(blocks: dict[str, torch.Tensor], fmt: str, name: str) -> dict[str, torch.Tensor]:
+    """Refuse blocks whose float16 scales overflowed (weights beyond float16's range)."""
+    for key in ("d", "m"):
+        if key in blocks and not torch.isfinite(blocks[key]).all():
+            raise ValueError(f"cannot quantize {name} to {fmt.upper()}: its block scales are past float16's range "
+                             f"({torch.finfo(torch.float16).max:.0f})")
+    return blocks
 
 
 def dequantize(fmt: str, qs: torch.Tensor, d: torch.Tensor, m: Optional[torch.Tensor] = None,

@@ -1,0 +1,202 @@
+"""Quantized weights (notebook 11): the block formats equal ggml's, bit for bit; a quantized
+layer equals a float layer on the dequantized weights (exactly when it dequantizes, within a
+float32 bound when it reduces over the packed bytes); whole models load packed; bad files and
+arguments fail clearly, naming the tensor and its type.
+
+References: the ``gguf`` package's quantizers (bit-exact with llama.cpp's reference code) and
+float64 products. Nothing here compares one float32 kernel's rounding with another's.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import minillm
+from minillm import FileFormatError
+from minillm.model.quant import (FORMATS, QuantizedEmbedding, QuantizedLinear, dequantize, from_gguf_blocks,
+                                 quantize, to_gguf_blocks, weight_bytes)
+
+from test_loading_hostile import pristine, write_gguf  # noqa: F401  (pristine is a fixture)
+from test_model_units import tiny_tokenizer  # noqa: F401  (a fixture)
+
+GGML = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
+        "q4_1": gguf.GGMLQuantizationType.Q4_1}
+
+
+def _matrix(rows: int, blocks: int, seed: int, scale_exp: int, special: str) -> np.ndarray:
+    """Random weights with the cases a quantizer gets wrong: an all-zero block, a constant block,
+    an exact tie between +max and -max, values at a rounding half, tiny and huge scales."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((rows, blocks * 32)) * 2.0 ** scale_exp).astype(np.float32)
+    if special == "zero":
+        w[0, :32] = 0
+    elif special == "constant":
+        w[0, :32] = 3.0
+    elif special == "tie":
+        w[0, 0], w[0, 1] = 5.0, -5.0
+    elif special == "halves":  # q = x / d lands on .5 for Q8_0's d = 127 / 127
+        w[0, :32] = np.arange(32, dtype=np.float32) - 15.5
+        w[0, 0] = 127.0
+    return w
+
+
+matrices = st.builds(_matrix, rows=st.integers(1, 5), blocks=st.integers(1, 4), seed=st.integers(0, 2**16),
+                     scale_exp=st.integers(-20, 12), special=st.sampled_from(["none", "zero", "constant", "tie",
+                                                                              "halves"]))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@settings(max_examples=40, deadline=None)
+@given(w=matrices)
+def test_quantizers_equal_gguf_bit_for_bit(fmt, w):
+    ours = to_gguf_blocks(fmt, **quantize(torch.from_numpy(w), fmt))
+    np.testing.assert_array_equal(ours, gguf.quants.quantize(w, GGML[fmt]))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@settings(max_examples=20, deadline=None)
+@given(w=matrices)
+def test_blocks_read_from_a_file_dequantize_like_gguf_and_write_back_the_same_bytes(fmt, w):
+    raw = gguf.quants.quantize(w, GGML[fmt])
+    blocks = from_gguf_blocks(raw, fmt)
+    np.testing.assert_array_equal(to_gguf_blocks(fmt, **blocks), raw)
+    np.testing.assert_array_equal(dequantize(fmt, **blocks).numpy(), gguf.quants.dequantize(raw, GGML[fmt]))
+
+
+def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """A float32 rounding bound for x @ w.T: a few ulps of the sum of |products| per output."""
+    return 1e-5 * (x.abs().double() @ w.abs().double().T) + 1e-30
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("out_features, in_features, bias", [(1, 32, False), (37, 96, True), (130, 64, False)])
+def test_a_quantized_layer_equals_a_float_layer_on_the_dequantized_weights(fmt, out_features, in_features, bias):
+    torch.manual_seed(out_features)
+    weight = torch.randn(out_features, in_features) * 0.1
+    b = torch.randn(out_features) if bias else None
+    layer = QuantizedLinear.from_float(weight, fmt, bias=b)
+    dense = layer.dequantize()
+    x = torch.randn(3, 5, in_features)
+    # prefill / batched / eager: dequantize, then the same F.linear: the same numbers
+    assert torch.equal(layer(x), F.linear(x, dense, b))
+    # one row, the decode path: a reduction over the packed bytes, within float32 rounding of the exact product
+    row = torch.randn(1, in_features)
+    exact = row.double() @ dense.double().T + (0 if b is None else b.double())
+    reduced = layer._matvec(row.view(-1, 32))[None] + (0 if b is None else b)
+    assert ((reduced.double() - exact).abs() <= _bound(row, dense)).all()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_compiled_one_row_product_reads_the_blocks_and_stays_within_rounding(fmt):
+    torch.manual_seed(1)
+    weight = torch.randn(70, 160)
+    layer = QuantizedLinear.from_float(weight, fmt, bias=torch.randn(70))
+    x = torch.randn(1, 1, 160)
+    with torch.inference_mode():
+        compiled = torch.compile(layer, fullgraph=True, dynamic=False)(x)
+    exact = x.double() @ layer.dequantize().double().T + layer.bias.double()
+    assert ((compiled.double() - exact).abs() <= _bound(x[0], layer.dequantize())).all()
+
+
+def test_a_quantized_embedding_looks_up_dequantized_rows():
+    table = QuantizedLinear.from_float(torch.randn(50, 64), "q8_0")
+    ids = torch.tensor([[3, 0, 49], [7, 7, 1]])
+    assert torch.equal(QuantizedEmbedding(table)(ids), table.dequantize()[ids])
+
+
+def test_rows_that_are_not_whole_blocks_and_bad_values_are_refused_by_name():
+    with pytest.raises(ValueError, match=r"layers\.0\.mlp\.down_proj\.weight of shape \[4, 40\] to Q8_0.*blocks of 32"):
+        quantize(torch.randn(4, 40), "q8_0", "layers.0.mlp.down_proj.weight")
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        quantize(torch.tensor([[float("nan")] * 32]), "q4_0", "w")
+    with pytest.raises(ValueError, match=r"w to Q8_0: its block scales are past float16's range \(65504\)"):
+        quantize(torch.full((1, 32), 1e7), "q8_0", "w")
+    with pytest.raises(ValueError, match="unknown quantization format 'q5_k'"):
+        quantize(torch.randn(2, 32), "q5_k")
+
+
+# --------------------------------------------------------------------------- whole models
+def test_quantizing_a_checkpoint_at_load_packs_every_matrix(pristine):  # noqa: F811
+    float_model, tok = minillm.load_model(pristine, device="cpu")
+    ids = torch.tensor([tok.encode("To be, or not to be")])
+    for fmt in FORMATS:
+        model, _ = minillm.load_model(pristine, device="cpu", weights=fmt)
+        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        assert linears == [], f"{fmt}: float linear layers left: {len(linears)}"
+        assert isinstance(model.embed_tokens, QuantizedEmbedding) and model.embed_tokens.table.fmt == "q8_0"
+        assert weight_bytes(model) < weight_bytes(float_model) / 3
+        # the law: a quantized model computes what a float model on the dequantized weights computes
+        twin, _ = minillm.load_model(pristine, device="cpu")
+        for name, module in model.named_modules():
+            if isinstance(module, QuantizedLinear) and name != "embed_tokens.table":
+                twin.get_submodule(name).weight = torch.nn.Parameter(module.dequantize(), requires_grad=False)
+        twin.embed_tokens.weight = torch.nn.Parameter(model.embed_tokens.table.dequantize(), requires_grad=False)
+        with torch.inference_mode():
+            assert torch.equal(model(ids), twin(ids)), fmt
+
+
+def test_native_weights_keep_a_gguf_files_blocks_and_equal_its_float_load(tmp_path, pristine, tiny_tokenizer):  # noqa: F811
+    def kind(name: str):
+        return gguf.GGMLQuantizationType.Q4_1 if name.startswith("blk.") and "norm" not in name else (
+            gguf.GGMLQuantizationType.Q8_0 if name in ("token_embd.weight", "output.weight") else None)
+
+    path = write_gguf(tmp_path / "q.gguf", pristine, tiny_tokenizer, types=kind)
+    float_model, tok = minillm.load_model(path, device="cpu")  # dequantized to float32
+    native, _ = minillm.load_model(path, device="cpu", weights="native")
+    assert native.layers[0].self_attn.q_proj.fmt == "q4_1" and native.embed_tokens.table.fmt == "q8_0"
+    assert native.lm_head.fmt == "q8_0"
+    q = native.layers[1].self_attn.q_proj  # un-permuted like the float weights, rows with their scales
+    assert torch.equal(q.dequantize(), float_model.layers[1].self_attn.q_proj.weight)
+    ids = torch.tensor([tok.encode("To be, or not to be")])
+    assert torch.equal(native(ids), float_model(ids))  # the same float products on the same weights
+
+
+def test_native_refuses_types_it_cannot_keep_packed_and_damaged_scales(tmp_path, pristine, tiny_tokenizer):  # noqa: F811
+    q5 = write_gguf(tmp_path / "q5.gguf", pristine, tiny_tokenizer,
+                    types={"blk.0.ffn_up.weight": gguf.GGMLQuantizationType.Q5_0})
+    minillm.load_model(q5, device="cpu")  # the float path dequantizes any type gguf knows
+    with pytest.raises(FileFormatError, match=r"q5\.gguf: tensor blk\.0\.ffn_up\.weight is Q5_0.*Q8_0, Q4_0, Q4_1"):
+        minillm.load_model(q5, device="cpu", weights="native")
+
+    bad = write_gguf(tmp_path / "nan.gguf", pristine, tiny_tokenizer, types={"blk.1.attn_v.weight": gguf.GGMLQuantizationType.Q8_0})
+    reader = minillm.gguf_io.open_gguf(bad)
+    tensor = next(t for t in reader.tensors if t.name == "blk.1.attn_v.weight")
+    with open(bad, "r+b") as f:  # the first block's float16 scale := NaN
+        f.seek(tensor.data_offset)
+        f.write(np.array([np.nan], dtype=np.float16).tobytes())
+    with pytest.raises(FileFormatError, match=r"nan\.gguf: tensor blk\.1\.attn_v\.weight \(Q8_0\) (has|holds) NaN"):
+        minillm.load_model(bad, device="cpu", weights="native")
+
+
+def test_weight_choices_are_checked(pristine):  # noqa: F811
+    with pytest.raises(ValueError, match="weights='int3' is not one of float32, bfloat16, native, q8_0"):
+        minillm.load_model(pristine, device="cpu", weights="int3")
+    with pytest.raises(ValueError, match="disagree"):
+        minillm.load_model(pristine, device="cpu", weights="bfloat16", dtype="float32")
+    with pytest.raises(ValueError, match="weights='native' keeps a GGUF file's blocks.*'q8_0'"):
+        minillm.load_model(pristine, device="cpu", weights="native")
+    model, _ = minillm.load_model(pristine, device="cpu", weights="bfloat16")
+    assert model.dtype == torch.bfloat16
+
+
+def test_the_default_model_native_is_the_files_size_and_answers_like_float32(smollm):
+    from minillm.gguf_io import open_gguf
+
+    float_model, tok = smollm
+    native, _ = minillm.load_model(device="cpu", weights="native")
+    file_bytes = sum(t.n_bytes for t in open_gguf(minillm.assets.default_gguf_path()).tensors)
+    assert weight_bytes(native) <= 1.2 * file_bytes
+    assert native.lm_head.qs is native.embed_tokens.table.qs  # tied: the table is stored once
+    ids = torch.tensor([tok.encode("The capital of France is")])
+    with torch.inference_mode():
+        got, want = native(ids), float_model(ids)
+    # float32 *is* the dequantized file: the same weights, the same products
+    assert torch.equal(got, want)
+    engine = minillm.Engine(native, tok)
+    assert engine.generate(["The capital of France is"], minillm.SamplingParams(max_new_tokens=2))[0].text.startswith(" Paris")
