@@ -11,6 +11,12 @@ Blocks are reference-counted, which makes sharing cheap: ``fork`` gives a child 
 parent's blocks (a shared prompt for several completions, or beam search). When a sequence is
 about to write into a block someone else also holds, it first copies it (copy-on-write).
 
+Sharing also works across requests that never met: with *prefix caching* on, every full block
+is keyed by a hash of its tokens and of the block before it (a hash chain, so a key names the
+whole prefix up to that block). A new prompt whose leading blocks have keys in the cache reuses
+them instead of computing them again, and a block nobody holds any more keeps its contents and
+its key until the pool needs the room (least recently freed goes first).
+
 Three parts, kept apart as nano-vllm and vLLM keep them:
 
 * ``BlockManager`` — pure-Python bookkeeping (free list, ref counts, block tables, lengths,
@@ -23,6 +29,7 @@ Three parts, kept apart as nano-vllm and vLLM keep them:
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
@@ -35,7 +42,13 @@ TABLE_WIDTH_STEP = 4  # block tables are padded to a multiple of this many block
 
 
 class BlockAllocator:
-    """Hands out block ids from a free list and counts how many sequences hold each block."""
+    """Hands out block ids from a free list and counts how many sequences hold each block.
+
+    With prefix caching, a full block can carry a *key* (its prefix hash). A keyed block that
+    nobody holds is free, but it is not wiped: it waits in ``evictable`` (least recently freed
+    first) and can be taken back by a prompt with the same prefix; ``allocate`` uses truly free
+    blocks first and evicts the oldest keyed one only when there are none.
+    """
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
@@ -43,16 +56,39 @@ class BlockAllocator:
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: pop() gives 0, 1, 2, ... at first
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # free keyed blocks, least recently freed first
+        self.key_of: dict[int, int] = {}  # block -> the prefix hash of its contents
+        self.block_of: dict[int, int] = {}  # prefix hash -> block
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self.evictable)
 
     def allocate(self) -> int:
-        if not self._free:
+        if self._free:
+            block = self._free.pop()
+        elif self.evictable:
+            block, _ = self.evictable.popitem(last=False)  # the least recently freed cached prefix goes
+            del self.block_of[self.key_of.pop(block)]
+        else:
             raise OutOfBlocksError(f"all {self.num_blocks} KV blocks are in use")
-        block = self._free.pop()
         self.ref_counts[block] = 1
+        return block
+
+    def set_key(self, block: int, key: int) -> None:
+        """Record that held ``block`` holds the prefix ``key`` (the first block with a key keeps it)."""
+        if key not in self.block_of and block not in self.key_of:
+            self.key_of[block] = key
+            self.block_of[key] = block
+
+    def take(self, key: int) -> int | None:
+        """The block holding prefix ``key``, now held once more (revived if it was free); or None."""
+        block = self.block_of.get(key)
+        if block is None:
+            return None
+        if self.ref_counts[block] == 0:
+            del self.evictable[block]
+        self.ref_counts[block] += 1
         return block
 
     def share(self, block: int) -> None:
@@ -67,7 +103,10 @@ class BlockAllocator:
             raise ValueError(f"block {block} is already free (double free)")
         self.ref_counts[block] -= 1
         if self.ref_counts[block] == 0:
-            self._free.append(block)
+            if block in self.key_of:
+                self.evictable[block] = None  # free, but its prefix stays findable until evicted
+            else:
+                self._free.append(block)
 
 
 class BlockManager:
@@ -79,26 +118,66 @@ class BlockManager:
     when it does.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
+        self.prefix_caching = prefix_caching
         self.allocator = BlockAllocator(num_blocks)
         self.block_tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
+        self.keys: dict[int, list[int]] = {}  # each sequence's prefix hashes, one per full block so far
 
     # ------------------------------------------------------------------ sequences
-    def add_sequence(self, seq_id: int) -> None:
+    def add_sequence(self, seq_id: int, tokens: Sequence[int] = ()) -> int:
+        """Start a sequence; with prefix caching, reuse the cached blocks that begin ``tokens``
+        (its prompt). Returns how many of its tokens are already in the cache, so the caller
+        computes only the rest. At least one token is always left to compute — the last
+        prompt token's logits are needed even when the whole prompt is cached (a full hit)."""
         if seq_id in self.block_tables:
             raise ValueError(f"sequence {seq_id} is already in the cache")
-        self.block_tables[seq_id] = []
-        self.lengths[seq_id] = 0
+        self.block_tables[seq_id], self.lengths[seq_id], self.keys[seq_id] = [], 0, []
+        if not (self.prefix_caching and tokens):
+            return 0
+        for key in self.prefix_keys(tokens):
+            block = self.allocator.take(key)
+            if block is None:
+                break
+            self.block_tables[seq_id].append(block)
+            self.keys[seq_id].append(key)
+        cached = min(len(self.block_tables[seq_id]) * self.block_size, len(tokens) - 1)
+        self.lengths[seq_id] = cached
+        return cached
+
+    def prefix_keys(self, tokens: Sequence[int], previous: int | None = None) -> list[int]:
+        """The hash chain of ``tokens``' full blocks: each key hashes the block's token ids
+        together with the previous block's key, so equal keys mean equal prefixes."""
+        keys, bs = [], self.block_size
+        for start in range(0, len(tokens) - bs + 1, bs):
+            previous = hash((previous, tuple(tokens[start : start + bs])))
+            keys.append(previous)
+        return keys
+
+    def cache_full_blocks(self, seq_id: int, tokens: Sequence[int]) -> None:
+        """Key the sequence's blocks that are full of computed tokens (``tokens`` are its ids so
+        far, prompt then output), so later prompts can find them. A no-op without prefix caching."""
+        if not self.prefix_caching:
+            return
+        keys, table = self.keys[seq_id], self.block_tables[seq_id]
+        full = self.lengths[seq_id] // self.block_size
+        if full <= len(keys):  # nothing filled since the last call (most decode steps)
+            return
+        start = len(keys) * self.block_size
+        new = self.prefix_keys(tokens[start : full * self.block_size], keys[-1] if keys else None)
+        for block, key in zip(table[len(keys) : full], new):
+            self.allocator.set_key(block, key)
+        keys += new
 
     def free_sequence(self, seq_id: int) -> None:
         """Release a sequence's blocks at once, so waiting work can use them."""
         for block in self.table(seq_id):
             self.allocator.free(block)
-        del self.block_tables[seq_id], self.lengths[seq_id]
+        del self.block_tables[seq_id], self.lengths[seq_id], self.keys[seq_id]
 
     def fork(self, parent: int, child: int) -> None:
         """The child starts as a copy of the parent, sharing every block (no data is copied)."""
@@ -109,6 +188,7 @@ class BlockManager:
             self.allocator.share(block)
         self.block_tables[child] = list(table)
         self.lengths[child] = self.lengths[parent]
+        self.keys[child] = list(self.keys[parent])
 
     def table(self, seq_id: int) -> list[int]:
         if seq_id not in self.block_tables:
@@ -173,9 +253,10 @@ class PagedKVCache:
         block_size: int = 16,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        prefix_caching: bool = False,
     ) -> None:
         self.config = config
-        self.manager = BlockManager(num_blocks, block_size)
+        self.manager = BlockManager(num_blocks, block_size, prefix_caching)
         self.block_size = block_size
         self.scratch_block = num_blocks
         shape = (num_blocks + 1, config.n_kv_heads, block_size, config.head_dim)

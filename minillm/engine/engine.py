@@ -4,7 +4,10 @@ Every step the scheduler does three things:
 
 1. **admit** waiting requests while there is room in the batch and in the block pool (it
    *asks* the ``BlockManager``); the prompts admitted together are prefilled in one packed
-   forward, and each samples its first token;
+   forward, and each samples its first token. With ``prefix_caching`` a prompt first takes
+   the cached blocks of its longest known prefix and computes only the rest; with
+   ``prefill_chunk_tokens`` at most that many prompt tokens are computed per step, so a long
+   prompt is spread over several steps instead of stalling everyone's next token;
 2. **decode** one token for every running row in a single batched, compiled step
    (``ModelRunner.decode``): the rows have different lengths, and each reads its own keys
    through its block table;
@@ -39,6 +42,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Union
 
 import torch
@@ -53,6 +57,15 @@ from minillm.tokenizer import Tokenizer
 
 Unit = Union[Request, BeamSearch]  # what the scheduler admits, runs and retires
 Prompt = Union[str, Sequence[int]]  # text, or token ids used as they are
+
+
+@dataclass
+class Prefill:
+    """An admitted unit whose prompt is being computed: its sequence, and the tokens still to go."""
+
+    unit: Unit
+    seq_id: int
+    tokens: list[int]
 
 
 class TextStream:
@@ -100,6 +113,14 @@ class Engine:
         block_size: tokens per KV block.
         eos_ids: ids that end a completion (default: the tokenizer's EOS).
         compile: compile the decode step (default: when this machine can).
+        prefix_caching: reuse the KV blocks of earlier prompts that share a prefix with a new
+            one (a system prompt, a conversation so far) instead of computing them again. Off by
+            default: a reused block was computed in another packing of the step, so its float
+            rounding can differ from a fresh prefill's (the server turns it on).
+        prefill_chunk_tokens: at most this many prompt tokens are computed per step ("chunked
+            prefill"): a long prompt is prefilled over several steps, each also decoding the
+            running requests, so it cannot stall their streams for its whole length. None (the
+            default) prefills every admitted prompt whole, in one forward.
     """
 
     def __init__(
@@ -112,8 +133,13 @@ class Engine:
         block_size: int = 16,
         eos_ids: Sequence[int] | None = None,
         compile: bool | None = None,
+        prefix_caching: bool = False,
+        prefill_chunk_tokens: int | None = None,
     ) -> None:
         max_batch_size = _positive_int("max_batch_size", max_batch_size)
+        if prefill_chunk_tokens is not None:
+            prefill_chunk_tokens = _positive_int("prefill_chunk_tokens", prefill_chunk_tokens)
+        self.prefill_chunk_tokens = prefill_chunk_tokens
         block_size = _positive_int("block_size", block_size)
         if kv_cache_tokens is not None:
             kv_cache_tokens = _positive_int("kv_cache_tokens", kv_cache_tokens)
@@ -123,7 +149,8 @@ class Engine:
         tokens = kv_cache_tokens or max_batch_size * 1024
         num_blocks = math.ceil(tokens / block_size)
         try:
-            self.cache = PagedKVCache(model.config, num_blocks, block_size, model.device, model.dtype)
+            self.cache = PagedKVCache(model.config, num_blocks, block_size, model.device, model.dtype,
+                                      prefix_caching=prefix_caching)
         except (MemoryError, RuntimeError) as err:  # the allocator's own message often names no size
             gib = 2 * model.config.n_layers * (num_blocks + 1) * model.config.n_kv_heads * block_size \
                 * model.config.head_dim * model.dtype.itemsize / 2**30
@@ -135,7 +162,10 @@ class Engine:
         self._next_seq_id = 0
         self.waiting: deque[Unit] = deque()  # queued, in arrival order (preempted ones go back to the front)
         self.running: list[Unit] = []  # holding KV blocks, decoded every step
+        self.prefilling: list[Prefill] = []  # admitted, their prompts being computed chunk by chunk
         self.preemptions = 0  # requests sent back to the queue because the pool ran out
+        self.prompt_tokens = 0  # prompt tokens admitted (recomputed ones of preempted requests too)
+        self.cached_prompt_tokens = 0  # of those, found in the prefix cache instead of computed
 
     @property
     def manager(self) -> BlockManager:
@@ -209,7 +239,7 @@ class Engine:
             unit.finish_reason = "abort"
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.prefilling or self.running)
 
     def _chat_prompt(self, messages: Sequence[dict[str, str]]) -> list[int]:
         """The conversation's token ids. Message text is encoded with special-token parsing off:
@@ -312,10 +342,10 @@ class Engine:
         admitted: list[Unit] = []
         try:
             admitted = self._admit()
-            if admitted:
-                events += self._prefill(admitted)
-                self.running += [u for u in admitted if not self._retire_if_done(u)]
-                admitted = []
+            self._start(admitted)
+            admitted = []
+            if self.prefilling:
+                events += self._prefill()
             elif not self.running and self.waiting:
                 head = self.waiting.popleft()
                 self.abort(head)
@@ -329,7 +359,7 @@ class Engine:
                 events += self._decode()
                 self.running = [u for u in self.running if not self._retire_if_done(u)]
         except BaseException:
-            for unit in admitted + self.running:
+            for unit in admitted + [p.unit for p in self.prefilling] + self.running:
                 self.abort(unit)
             raise
         return events
@@ -354,7 +384,7 @@ class Engine:
         keeping one spare block per row so the next decode step does not force a preemption."""
         waiting = self.waiting
         admitted: list[Unit] = []
-        rows = sum(_rows(u) for u in self.running)
+        rows = sum(_rows(u) for u in self.running) + sum(_rows(p.unit) for p in self.prefilling)
         blocks = 0
         while waiting:
             unit = waiting[0]
@@ -370,28 +400,50 @@ class Engine:
             blocks += unit_blocks
         return admitted
 
-    def _prefill(self, units: list[Unit]) -> list[tuple[Request, str]]:
-        """One packed forward over the admitted prompts fills their blocks; each new request
-        then samples its first token (one batched sampler call) and each beam search takes its
-        first step. A preempted request recomputes its prompt and the tokens it had generated
-        (all but the last, which the next decode step feeds in)."""
-        seq_ids, token_lists = [], []
+    def _start(self, units: list[Unit]) -> None:
+        """Give each admitted unit its sequence and the blocks for its whole prompt (reusing
+        cached prefix blocks), and queue the prompt tokens still to compute. A preempted request
+        recomputes its prompt and the tokens it had generated (all but the last, which the next
+        decode step feeds in)."""
         for unit in units:
             if isinstance(unit, BeamSearch):
                 seq_id, tokens = unit.start(), unit.prompt_ids
             else:
                 seq_id = unit.seq_id
                 tokens = unit.all_ids[:-1] if unit.output_ids else unit.all_ids
-            self.manager.add_sequence(seq_id)
-            seq_ids.append(seq_id)
-            token_lists.append(tokens)
-        self.manager.reserve(seq_ids, [len(t) for t in token_lists])
-        logits = self.runner.prefill(seq_ids, token_lists)
-        fresh = [(row, u) for row, u in enumerate(units) if isinstance(u, Request) and not u.output_ids]
+            cached = self.manager.add_sequence(seq_id, tokens)  # > 0 only with prefix caching
+            self.prompt_tokens += len(tokens)
+            self.cached_prompt_tokens += cached
+            self.prefilling.append(Prefill(unit, seq_id, tokens[cached:]))
+            self.cache.copy_blocks(self.manager.reserve([seq_id], [len(tokens) - cached]))
+
+    def _prefill(self) -> list[tuple[Request, str]]:
+        """One packed forward over the next chunk of every prompt being prefilled, within the
+        step's token budget (all of them whole without chunking). Each request whose prompt is
+        now complete samples its first token (one batched sampler call), each beam search takes
+        its first step, and they join the running batch."""
+        budget = self.prefill_chunk_tokens or math.inf
+        chunks: list[tuple[Prefill, list[int]]] = []
+        for prefill in self.prefilling:
+            if budget <= 0:
+                break
+            chunk = prefill.tokens if budget >= len(prefill.tokens) else prefill.tokens[: int(budget)]
+            chunks.append((prefill, chunk))
+            budget -= len(chunk)
+        logits = self.runner.prefill([p.seq_id for p, _ in chunks], [chunk for _, chunk in chunks])
+        done: list[tuple[int, Unit]] = []
+        for row, (prefill, chunk) in enumerate(chunks):
+            prefill.tokens = prefill.tokens[len(chunk):]
+            if not prefill.tokens:
+                done.append((row, prefill.unit))
+        self.prefilling = [p for p in self.prefilling if p.tokens]
+        self._cache_full_blocks([p.unit for p, _ in chunks])
+        fresh = [(row, u) for row, u in done if isinstance(u, Request) and not u.output_ids]
         events = self._sample([u for _, u in fresh], logits[[row for row, _ in fresh]])  # type: ignore[misc]
-        for row, unit in enumerate(units):
+        for row, unit in done:
             if isinstance(unit, BeamSearch):
                 unit.advance(logits[row : row + 1], self.manager)
+        self.running += [u for _, u in done if not self._retire_if_done(u)]
         return events
 
     def _decode(self) -> list[tuple[Request, str]]:
@@ -405,6 +457,7 @@ class Engine:
                 seq_ids.append(unit.seq_id)
                 tokens.append(unit.output_ids[-1])
         logits = self.runner.decode(seq_ids, tokens)
+        self._cache_full_blocks(self.running)
         row, sampled, sampled_rows = 0, [], []
         for unit in self.running:
             if isinstance(unit, BeamSearch):
@@ -416,6 +469,13 @@ class Engine:
                 sampled_rows.append(row)
                 row += 1
         return self._sample(sampled, logits[sampled_rows])
+
+    def _cache_full_blocks(self, units: Sequence[Unit]) -> None:
+        """Key the blocks the step just filled, so later prompts with the same prefix reuse them."""
+        if self.manager.prefix_caching:
+            for unit in units:
+                if isinstance(unit, Request):
+                    self.manager.cache_full_blocks(unit.seq_id, unit.all_ids)
 
     def _sample(self, requests: list[Request], logits: torch.Tensor) -> list[tuple[Request, str]]:
         if not requests:
@@ -453,6 +513,7 @@ class Engine:
     def _forget(self, unit: Unit) -> None:
         """Take a unit out of the queue and the batch (by identity) and free its blocks."""
         self.waiting = deque(u for u in self.waiting if u is not unit)
+        self.prefilling = [p for p in self.prefilling if p.unit is not unit]
         self.running = [u for u in self.running if u is not unit]
         self._free(unit)
 

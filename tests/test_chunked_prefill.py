@@ -1,0 +1,86 @@
+"""Chunked prefill: a step computes at most ``prefill_chunk_tokens`` prompt tokens, so a long
+prompt is spread over several steps while the running requests keep getting a token each step.
+
+On a tiny random model in float64 (chunks change only the order of float operations, so their
+answers agree with whole prefills to ~1e-12 and greedy tokens are the same); no timing is asserted:
+the stall is bounded by construction (tokens computed per step), which is what is checked.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import minillm
+from minillm.sampling import SamplingParams
+
+from test_prefix_cache import tiny64  # noqa: F401  (a fixture)
+from test_model_units import tiny_tokenizer  # noqa: F401  (a fixture)
+
+
+def _prompts(tok) -> list[list[int]]:
+    text = "Now is the winter of our discontent made glorious summer by this sun of York"
+    return [tok.encode(text)[: n] for n in (3, 17, 40, 9)]
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 16])
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_chunked_prefill_gives_the_same_answers_and_frees_everything(tiny64, chunk, prefix_caching):  # noqa: F811
+    model, tok = tiny64
+    params = SamplingParams(max_new_tokens=5)
+    whole = minillm.Engine(model, tok, block_size=4, compile=False)
+    chunked = minillm.Engine(model, tok, block_size=4, compile=False, prefill_chunk_tokens=chunk,
+                             prefix_caching=prefix_caching)
+    free = chunked.manager.allocator.num_free
+    prompts = _prompts(tok)
+    want = [c.token_ids for c in whole.generate(prompts, params)]
+    assert [c.token_ids for c in chunked.generate(prompts, params)] == want
+    assert [c.token_ids for c in chunked.generate(prompts[::-1], params)] == want[::-1]  # cached prefixes now
+    assert chunked.manager.allocator.num_free == free
+
+
+def test_a_long_prompt_never_takes_a_step_from_the_running_requests(tiny64):  # noqa: F811
+    model, tok = tiny64
+    engine = minillm.Engine(model, tok, block_size=4, compile=False, prefill_chunk_tokens=6)
+    computed: list[int] = []
+    prefill = engine.runner.prefill
+
+    def counting(seq_ids, token_lists):
+        computed.append(sum(len(t) for t in token_lists))
+        return prefill(seq_ids, token_lists)
+
+    engine.runner.prefill = counting
+    short = [engine.add_request(p, SamplingParams(max_new_tokens=40)) for p in _prompts(tok)[:1] * 3]
+    while any(not r.output_ids for r in short):
+        engine.step()
+    long = engine.add_request(_prompts(tok)[2] * 2, SamplingParams(max_new_tokens=2))  # 80 tokens: 14 chunks
+    steps = 0
+    while not long.output_ids:
+        computed.clear()
+        before = [len(r.output_ids) for r in short]
+        engine.step()
+        steps += 1
+        assert sum(computed) <= 6  # the prompt tokens computed in this step
+        assert [len(r.output_ids) for r in short] == [n + 1 for n in before]  # everyone else advanced
+    assert steps == -(-len(long.prompt_ids) // 6)
+    for request in short:
+        engine.abort(request)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.manager.allocator.num_free == engine.manager.allocator.num_blocks
+
+
+def test_aborting_a_request_while_its_prompt_is_being_prefilled_frees_its_blocks(tiny64):  # noqa: F811
+    model, tok = tiny64
+    engine = minillm.Engine(model, tok, block_size=4, compile=False, prefill_chunk_tokens=4)
+    request = engine.add_request(_prompts(tok)[2], SamplingParams(max_new_tokens=3))
+    engine.step()
+    assert engine.prefilling and not request.output_ids
+    engine.abort(request)
+    assert not engine.has_unfinished_requests()
+    assert engine.manager.allocator.num_free == engine.manager.allocator.num_blocks
+
+
+def test_the_chunk_size_is_checked(tiny64):  # noqa: F811
+    model, tok = tiny64
+    with pytest.raises(ValueError, match="prefill_chunk_tokens"):
+        minillm.Engine(model, tok, compile=False, prefill_chunk_tokens=0)
