@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
 
     commands.add_parser("demo", help="run the end-to-end demo")
     bench = commands.add_parser("bench", help="benchmarks against the reference libraries")
-    bench.add_argument("target", nargs="?", default="model", choices=["model", "cpu", "tokenizer", "cache", "batching", "context", "latency", "load", "quant"])
+    bench.add_argument("target", nargs="?", default="model", choices=["model", "cpu", "tokenizer", "cache", "batching", "context", "latency", "load", "quant", "scheduler"])
     bench.add_argument("--json", action="store_true", help="print the results as one JSON object")
     bench.add_argument("--device", default=None, help="model benchmark device (default: cuda if available)")
     bench.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -267,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
                 "context": (benchmarks.bench_context, benchmarks.print_context_report),
                 "latency": (benchmarks.bench_latency, benchmarks.print_latency_report),
                 "quant": (benchmarks.bench_quant, benchmarks.print_quant_report),
+                "scheduler": (benchmarks.bench_scheduler, benchmarks.print_scheduler_report),
                 "load": (benchmarks.bench_load, lambda r: print(f"load_model() after conversion: {r['load_s']:.2f} s")),
             }[args.target]
             results = run()
