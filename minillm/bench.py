@@ -897,7 +897,7 @@ def bench_scheduler(system_tokens: int = 512, n_requests: int = 16, long_prompt_
     for chunk_tokens in (None, chunk):
         engine = Engine(model, tok, max_batch_size=16, prefill_chunk_tokens=chunk_tokens)
         engine.generate([corpus[-64:]], params)
-        running = [engine.add_request(corpus[i * 50 : i * 50 + 20], SamplingParams(max_new_tokens=10_000))
+        running = [engine.add_request(corpus[i * 50 : i * 50 + 20], SamplingParams(max_new_tokens=1000))
                    for i in range(streams)]
         while any(not request.output_ids for request in running):
             engine.step()

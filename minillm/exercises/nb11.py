@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from minillm.exercises import Mistake, check, forbid_calls
-from minillm.model.quant import _pack_nibbles, dequantize, quantize, unpack_nibbles
+from minillm.model.quant import pack_nibbles, dequantize, quantize, unpack_nibbles
 
 # --- exercise 1 (the core): unpack nibbles ---------------------------------------------------------
 
@@ -88,7 +88,7 @@ def _pack_cases() -> list[tuple[tuple[torch.Tensor], torch.Tensor]]:
     inputs = [ramp, torch.randint(0, 16, (3, 32), generator=g, dtype=torch.uint8),
               unpack_nibbles(quantize(torch.randn(4, 64, generator=g), "q4_0")["qs"]),  # [4, 2, 32]
               torch.randint(0, 16, (2, 3, 4, 32), generator=g, dtype=torch.uint8)]
-    return [((q,), _pack_nibbles(q)) for q in inputs]
+    return [((q,), pack_nibbles(q)) for q in inputs]
 
 
 def _pack_adjacent(q: torch.Tensor) -> torch.Tensor:
@@ -253,7 +253,7 @@ def _trunc_half_up(v: torch.Tensor) -> torch.Tensor:
 
 
 def _q4_1_with(rounding: Callable[[torch.Tensor], torch.Tensor] = _trunc_half_up, levels: float = 15.0,
-               from_stored: bool = False, pack: Callable[[torch.Tensor], torch.Tensor] = _pack_nibbles,
+               from_stored: bool = False, pack: Callable[[torch.Tensor], torch.Tensor] = pack_nibbles,
                scale_dtype: torch.dtype = torch.float16) -> Callable[[torch.Tensor], tuple[torch.Tensor, ...]]:
     """A Q4_1 quantizer that differs from llama.cpp's in one place (the wrong variants)."""
 

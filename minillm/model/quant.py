@@ -58,7 +58,7 @@ def _reciprocal_or_zero(d: torch.Tensor) -> torch.Tensor:
     return torch.where(d == 0, torch.zeros_like(d), 1 / torch.where(d == 0, torch.ones_like(d), d))
 
 
-def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
     """[..., 32] values in [0, 15] -> [..., 16] bytes: weight j low, weight j + 16 high."""
     return q[..., :16] | (q[..., 16:] << 4)
 
@@ -89,11 +89,11 @@ def quantize(w: torch.Tensor, fmt: str, name: str = "weight") -> dict[str, torch
         index = blocks.abs().argmax(-1, keepdim=True)  # the first entry of largest magnitude
         d = torch.gather(blocks, -1, index) / -8
         q = torch.trunc(blocks * _reciprocal_or_zero(d) + 8.5).clamp(0, 15).to(torch.uint8)
-        return _checked({"qs": _pack_nibbles(q), "d": d[..., 0].half()}, fmt, name)
+        return _checked({"qs": pack_nibbles(q), "d": d[..., 0].half()}, fmt, name)
     low = blocks.amin(-1, keepdim=True)
     d = (blocks.amax(-1, keepdim=True) - low) / 15
     q = torch.trunc((blocks - low) * _reciprocal_or_zero(d) + 0.5).clamp(0, 15).to(torch.uint8)
-    return _checked({"qs": _pack_nibbles(q), "d": d[..., 0].half(), "m": low[..., 0].half()}, fmt, name)
+    return _checked({"qs": pack_nibbles(q), "d": d[..., 0].half(), "m": low[..., 0].half()}, fmt, name)
 
 
 def _checked(blocks: dict[str, torch.Tensor], fmt: str, name: str) -> dict[str, torch.Tensor]:
