@@ -184,10 +184,8 @@ def serve(args: argparse.Namespace) -> None:
     """An OpenAI-compatible HTTP server (``minillm.serve``), with a chat page at ``/``."""
     import socket
 
-    import uvicorn
-
     from minillm.engine import Engine
-    from minillm.serve import create_app, model_name
+    from minillm.serve import model_name, run_server
 
     # Take the port before loading the model, so a port in use fails at once with a clear message.
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
@@ -201,8 +199,7 @@ def serve(args: argparse.Namespace) -> None:
     host = f"[{args.host}]" if family == socket.AF_INET6 else args.host
     print(f"minillm: serving {name} at http://{host}:{args.port}/ (the chat page; the OpenAI API under /v1, "
           f"/metrics, /health). Compiling the decode step first: /health says 'ok' once it is done.", file=sys.stderr)
-    config = uvicorn.Config(create_app(engine, name), log_level="info")
-    uvicorn.Server(config).run(sockets=[sock])
+    run_server(engine, sock, name)
 
 
 def _fit_context(messages: list[dict[str, str]], tok: Tokenizer, budget: int) -> int | None:

@@ -11,7 +11,8 @@ The life of one request, from the socket to ``data: [DONE]``::
     a Job (its prompts and SamplingParams, one engine request per choice: n > 1 is n
       │ requests) goes on a thread-safe queue of commands: the only door into the engine
       ▼
-    the engine thread (one, started with the app, owning the Engine: nothing else touches it)
+    the engine thread (one, owning the Engine: nothing else touches it; the main thread under
+      │ ``python -m minillm serve``, see ``run_server``)
       │ between two steps it runs the queued commands: add_request() for each choice, or
       │ abort() for a job whose client left; the first event back is Accepted or Failed,
       │ so a request the engine refuses is still a plain 400
@@ -45,20 +46,23 @@ that streams its answers from ``/v1/chat/completions``.
 from __future__ import annotations
 
 import asyncio
+import copy
 import html
 import json
 import logging
 import queue
+import socket
 import threading
 import time
 import uuid
 from collections import deque
-from contextlib import asynccontextmanager
 from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from importlib import resources
 from typing import Annotated, Any, Literal, Optional, Union
 
+import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -368,10 +372,11 @@ Command = tuple[Literal["add", "abort"], Job]
 
 
 class EngineWorker:
-    """Runs the Engine's loop in its own thread; the rest of the server sends it commands.
+    """Runs the Engine's loop on one thread; the rest of the server sends it commands.
 
-    ``submit`` and ``abort`` may be called from any thread: they only put a command on a
-    queue, and the engine thread carries it out between two steps.
+    ``run()`` is the loop, on the calling thread, until ``stop()``; ``start()`` runs it on a new
+    thread. ``submit`` and ``abort`` may be called from any thread: they only put a command on
+    a queue, and the engine thread carries it out between two steps.
     """
 
     def __init__(self, engine: Engine, metrics: Metrics, warm_up: bool = True) -> None:
@@ -384,15 +389,19 @@ class EngineWorker:
         self._commands: queue.Queue[Command | None] = queue.Queue()  # None: stop
         self._owners: dict[Request, tuple[Job, int]] = {}  # unfinished engine request -> (its job, choice index)
         self._first_token_at: dict[Request, float] = {}
-        self._thread = threading.Thread(target=self._run, name="minillm-engine", daemon=True)
+        self._thread: threading.Thread | None = None  # set by start()
 
     # -- called from other threads
     def start(self) -> None:
+        """Run the engine loop on a new thread."""
+        self._thread = threading.Thread(target=self.run, name="minillm-engine", daemon=True)
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
+        """End the loop once the queued commands are done (waiting for its thread if it has one)."""
         self._commands.put(None)
-        self._thread.join(timeout)
+        if self._thread is not None:
+            self._thread.join(timeout)
 
     def submit(self, job: Job) -> None:
         self._commands.put(("add", job))
@@ -402,18 +411,27 @@ class EngineWorker:
         self._commands.put(("abort", job))
 
     # -- the engine thread
-    def _run(self) -> None:
+    def run(self) -> None:
+        """The engine loop, on the calling thread, until ``stop()``."""
         try:
             self._serve()
         except Exception as err:  # a bug, or a failed warm-up: answer every job rather than leave it waiting
             log.exception("the engine thread failed")
             self.error = f"{type(err).__name__}: {err}"
             failure = Failed(ApiError(503, f"the engine stopped: {self.error}", type="server_error"))
-            for job in {job for job, _ in self._owners.values()}:
-                job.send(failure)
+            self._tell_all(failure)
             while (command := self._commands.get()) is not None:
                 if command[0] == "add":
                     command[1].send(failure)
+        except BaseException:  # Ctrl-C, on the main thread: end every open response on the way out
+            self._tell_all(Failed(ApiError(503, "the server is shutting down", type="server_error")))
+            raise
+
+    def _tell_all(self, failure: Failed) -> None:
+        """Send ``failure`` to every job still running, without touching the engine."""
+        for job in {job for job, _ in self._owners.values()}:
+            job.send(failure)
+        self._owners.clear()
 
     def _serve(self) -> None:
         if self.warm_up:  # compile the decode step (one row; several rows) before the first user waits for it
@@ -785,9 +803,10 @@ async def _read_body(request: HttpRequest) -> bytes:
 
 
 def create_app(engine: Engine, model_id: str = "SmolLM2-135M-Instruct", aliases: Sequence[str] = (),
-               warm_up: bool = True) -> FastAPI:
-    """The FastAPI app serving ``engine``. Its lifespan starts the engine thread (which first
-    compiles the decode step unless ``warm_up=False``; ``/health`` is 503 until then) and stops it.
+               warm_up: bool = True, engine_thread: bool = True) -> FastAPI:
+    """The FastAPI app serving ``engine``. The engine loop first compiles the decode step (unless
+    ``warm_up=False``; ``/health`` is 503 until then). The app's lifespan starts it on a thread of
+    its own, or, with ``engine_thread=False``, leaves it to the caller (``run_server``), and stops it.
 
     ``model_id`` is the name ``/v1/models`` lists; requests may name it, one of ``aliases``,
     ``"minillm"``, ``"default"``, or a path ending in one of those (``HuggingFaceTB/SmolLM2-135M-Instruct``).
@@ -797,7 +816,8 @@ def create_app(engine: Engine, model_id: str = "SmolLM2-135M-Instruct", aliases:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        server.worker.start()
+        if engine_thread:
+            server.worker.start()
         yield
         await run_in_threadpool(server.worker.stop)
 
@@ -837,3 +857,33 @@ def model_name(source: str | None) -> str:
         return "SmolLM2-135M-Instruct"
     name = str(source).rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1]
     return name[: -len(".gguf")] if name.lower().endswith(".gguf") else name
+
+
+def run_server(engine: Engine, sock: socket.socket, model_id: str, log_level: str = "info") -> None:
+    """Serve on ``sock`` until Ctrl-C: the engine loop on this thread, uvicorn on a second one.
+
+    Why this way round: torch runs its CPU kernels on a team of OpenMP threads belonging to the
+    thread that calls them. The model was loaded on this thread, so its team exists; an engine
+    loop on another thread starts a second team, and on the 2-core course machine each step
+    was then ~1.5x slower (64 greedy tokens by HTTP: 22 tokens/s, against 36 with the loop
+    here, the same as ``Engine.generate``). The event loop never calls torch.
+    """
+    app = create_app(engine, model_id, engine_thread=False)
+    worker = app.state.server.worker
+    logs = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    logs["handlers"]["access"]["stream"] = "ext://sys.stderr"  # the CLI keeps stdout for results
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, log_config=logs))
+
+    def http() -> None:
+        try:
+            server.run(sockets=[sock])
+        finally:
+            worker.stop()  # the engine loop ends with the web server, whatever ended it
+
+    web = threading.Thread(target=http, name="minillm-http", daemon=True)  # a second Ctrl-C does not wait
+    web.start()
+    try:
+        worker.run()
+    finally:  # Ctrl-C lands here, on the main thread: the open responses have ended, stop the server
+        server.should_exit = True
+        web.join()

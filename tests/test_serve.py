@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -317,10 +318,14 @@ def test_the_chat_page_streams_from_the_chat_endpoint(real):
 
 # --------------------------------------------------------------------------- refusals (a tiny model)
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory, tiny_tokenizer) -> Iterator[tuple[Served, Engine]]:  # noqa: F811
-    folder = _tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny"), tiny_tokenizer, "llama",
-                                 max_position_embeddings=512, vocab_size=300)
-    model, tok = load_model(folder, device="cpu")
+def tiny_folder(tmp_path_factory, tiny_tokenizer) -> Path:  # noqa: F811
+    return _tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny", tiny_tokenizer, "llama",
+                               max_position_embeddings=512, vocab_size=300)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_folder) -> Iterator[tuple[Served, Engine]]:
+    model, tok = load_model(tiny_folder, device="cpu")
     engine = Engine(model, tok, compile=False, kv_cache_tokens=2048)
     with serving(engine, "tiny") as served:
         yield served, engine
@@ -492,3 +497,41 @@ def test_serve_on_a_port_in_use_fails_cleanly():
                                 capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
     assert f"minillm: error: cannot listen on 127.0.0.1:{port}" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_the_serve_command_answers_and_stops_on_ctrl_c(tiny_folder):
+    """The real command: the engine loop on its main thread, uvicorn on another; Ctrl-C ends an
+    open stream with an error event and the process with 130."""
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        port = probe.getsockname()[1]
+    process = subprocess.Popen([sys.executable, "-m", "minillm", "serve", "--model", str(tiny_folder), "--port",
+                                str(port), "--device", "cpu"], cwd=REPO, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 300  # the first run compiles the decode step
+        while True:
+            try:
+                if httpx.get(f"{url}/health").json()["status"] == "ok":
+                    break
+            except httpx.TransportError:
+                pass
+            assert process.poll() is None and time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.2)
+        client = OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["tiny"]
+        assert client.completions.create(model="tiny", prompt="hi", max_tokens=2).usage.completion_tokens == 2
+        body = {"prompt": "hi", "max_tokens": 500, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as stream:
+            lines = stream.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            process.send_signal(signal.SIGINT)
+            events = [line for line in lines if line.startswith("data: ")]
+        assert process.wait(60) == 130
+        assert "minillm: interrupted" in process.stderr.read()
+        assert process.stdout.read() == ""  # logs go to stderr: stdout is for results
+        assert events[-1] == "data: [DONE]"
+        ended = events[-2]  # the shutdown error, or the finish if the 500 tokens were faster than Ctrl-C
+        assert "the server is shutting down" in ended or '"finish_reason": "length"' in ended
+    finally:
+        process.kill()
