@@ -1,4 +1,4 @@
-"""The command line: ``python -m minillm {generate,demo,bench}``.
+"""The command line: ``python -m minillm {generate,chat,serve,demo,bench}``.
 
 Only results go to stdout (completions, JSON rows, benchmark tables); progress and
 diagnostics go to stderr, so the output can be piped.
@@ -180,6 +180,29 @@ def chat(args: argparse.Namespace) -> None:
         messages.append({"role": "assistant", "content": answer})
 
 
+def serve(args: argparse.Namespace) -> None:
+    """An OpenAI-compatible HTTP server (``minillm.serve``), with a chat page at ``/``."""
+    import socket
+
+    from minillm.engine import Engine
+    from minillm.serve import model_name, run_server
+
+    # Take the port before loading the model, so a port in use fails at once with a clear message.
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    try:
+        sock = socket.create_server((args.host, args.port), family=family)
+    except OSError as err:
+        raise RuntimeError(f"cannot listen on {args.host}:{args.port}: {err.strerror or err}") from err
+    model, tok = _load(args)
+    engine = Engine(model, tok, max_batch_size=args.max_batch_size, prefix_caching=not args.no_prefix_caching,
+                    prefill_chunk_tokens=args.prefill_chunk_tokens or None)
+    name = model_name(args.model)
+    host = f"[{args.host}]" if family == socket.AF_INET6 else args.host
+    print(f"minillm: serving {name} at http://{host}:{args.port}/ (the chat page; the OpenAI API under /v1, "
+          f"/metrics, /health). Compiling the decode step first: /health says 'ok' once it is done.", file=sys.stderr)
+    run_server(engine, sock, name)
+
+
 def _fit_context(messages: list[dict[str, str]], tok: Tokenizer, budget: int) -> int | None:
     """Make the conversation's prompt fit in ``budget`` tokens by dropping its oldest
     non-system messages; return how many were dropped. If the newest message does not fit
@@ -237,7 +260,29 @@ def main(argv: list[str] | None = None) -> int:
     chat_parser = commands.add_parser("chat", help="an interactive streaming chat with the model")
     add_model_and_sampling(chat_parser)
 
+    serve_parser = commands.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server with a chat page",
+        description="Serve the model over HTTP: POST /v1/chat/completions and /v1/completions (OpenAI's API, "
+                    "streaming or not: point the openai client's base_url at http://HOST:PORT/v1), GET /v1/models, "
+                    "/health, /metrics (Prometheus text) and a chat page at /. One engine thread batches every "
+                    "request (continuous batching); a client that disconnects has its request aborted.")
+    serve_parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1; "
+                              "0.0.0.0 to serve the network: there is no authentication)")
+    serve_parser.add_argument("--port", type=int, default=8000, help="default: 8000")
+    serve_parser.add_argument("--model", default=None,
+                              help="a .gguf file or HF checkpoint folder (default: SmolLM2-135M-Instruct)")
+    serve_parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    serve_parser.add_argument("--weights", default=None, choices=WEIGHTS,
+                              help="how the matrices are stored (as for generate)")
+    serve_parser.add_argument("--max-batch-size", type=_positive, default=16,
+                              help="most requests decoded together in one step (default: 16); more wait in the queue")
+
     commands.add_parser("demo", help="run the end-to-end demo")
+    serve_parser.add_argument("--prefill-chunk-tokens", type=int, default=256,
+                              help="prompt tokens computed per engine step, so a long prompt does not stall the "
+                                   "other streams (chunked prefill; 0: whole prompts; default: 256)")
+    serve_parser.add_argument("--no-prefix-caching", action="store_true",
+                              help="compute every prompt in full instead of reusing cached blocks of a shared prefix")
     bench = commands.add_parser("bench", help="benchmarks against the reference libraries")
     bench.add_argument("target", nargs="?", default="model", choices=["model", "cpu", "tokenizer", "cache", "batching", "context", "latency", "load", "quant", "scheduler"])
     bench.add_argument("--json", action="store_true", help="print the results as one JSON object")
@@ -252,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
             generate(args)
         elif args.command == "chat":
             chat(args)
+        elif args.command == "serve":
+            serve(args)
         elif args.command == "demo":
             demo()
         elif args.command == "bench":
