@@ -69,6 +69,12 @@ def test_blocks_read_from_a_file_dequantize_like_gguf_and_write_back_the_same_by
     np.testing.assert_array_equal(dequantize(fmt, **blocks).numpy(), gguf.quants.dequantize(raw, GGML[fmt]))
 
 
+def _same_products(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same float32 products on the same values: equal, but for the rounding a BLAS may vary
+    with memory alignment (MKL's results can), so within a few float32 ulps of the largest value."""
+    return (a - b).abs().max().item() <= 1e-6 * b.abs().max().item()
+
+
 def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """A float32 rounding bound for x @ w.T: a few ulps of the sum of |products| per output."""
     return 1e-5 * (x.abs().double() @ w.abs().double().T) + 1e-30
@@ -84,7 +90,7 @@ def test_a_quantized_layer_equals_a_float_layer_on_the_dequantized_weights(fmt, 
     dense = layer.dequantize()
     x = torch.randn(3, 5, in_features)
     # prefill / batched / eager: dequantize, then the same F.linear: the same numbers
-    assert torch.equal(layer(x), F.linear(x, dense, b))
+    assert _same_products(layer(x), F.linear(x, dense, b))
     # one row, the decode path: a reduction over the packed bytes, within float32 rounding of the exact product
     row = torch.randn(1, in_features)
     exact = row.double() @ dense.double().T + (0 if b is None else b.double())
@@ -138,7 +144,7 @@ def test_quantizing_a_checkpoint_at_load_packs_every_matrix(pristine):  # noqa: 
                 twin.get_submodule(name).weight = torch.nn.Parameter(module.dequantize(), requires_grad=False)
         twin.embed_tokens.weight = torch.nn.Parameter(model.embed_tokens.table.dequantize(), requires_grad=False)
         with torch.inference_mode():
-            assert torch.equal(model(ids), twin(ids)), fmt
+            assert _same_products(model(ids), twin(ids)), fmt
 
 
 def test_native_weights_keep_a_gguf_files_blocks_and_equal_its_float_load(tmp_path, pristine, tiny_tokenizer):  # noqa: F811
@@ -154,7 +160,7 @@ def test_native_weights_keep_a_gguf_files_blocks_and_equal_its_float_load(tmp_pa
     q = native.layers[1].self_attn.q_proj  # un-permuted like the float weights, rows with their scales
     assert torch.equal(q.dequantize(), float_model.layers[1].self_attn.q_proj.weight)
     ids = torch.tensor([tok.encode("To be, or not to be")])
-    assert torch.equal(native(ids), float_model(ids))  # the same float products on the same weights
+    assert _same_products(native(ids), float_model(ids))  # the same float products on the same weights
 
 
 def test_native_refuses_types_it_cannot_keep_packed_and_damaged_scales(tmp_path, pristine, tiny_tokenizer):  # noqa: F811
@@ -197,7 +203,7 @@ def test_the_default_model_native_is_the_files_size_and_answers_like_float32(smo
     with torch.inference_mode():
         got, want = native(ids), float_model(ids)
     # float32 *is* the dequantized file: the same weights, the same products
-    assert torch.equal(got, want)
+    assert _same_products(got, want)
     engine = minillm.Engine(native, tok)
     assert engine.generate(["The capital of France is"], minillm.SamplingParams(max_new_tokens=2))[0].text.startswith(" Paris")
 
