@@ -295,7 +295,7 @@ class EngineSnapshot:
     blocks_free: int = 0
     blocks_total: int = 0
     preemptions: int = 0
-    prefix_cache_hits: int = 0  # prompt tokens found in the prefix cache (when the engine has one)
+    prefix_cache_hits: int = 0  # prompt tokens found in the prefix cache
     prefix_cache_queries: int = 0  # prompt tokens looked up in it
 
 
@@ -528,9 +528,10 @@ class EngineWorker:
     def _publish(self) -> None:
         engine, allocator = self.engine, self.engine.manager.allocator
         self.snapshot = EngineSnapshot(
-            running=len(engine.running), waiting=len(engine.waiting), blocks_free=allocator.num_free,
-            blocks_total=allocator.num_blocks, preemptions=engine.preemptions,
-            # the prefix cache's token counters, once the scheduler has one (0 until then)
+            # a request whose prompt is being prefilled in chunks already holds its blocks: running
+            running=len(engine.running) + len(engine.prefilling), waiting=len(engine.waiting),
+            blocks_free=allocator.num_free, blocks_total=allocator.num_blocks, preemptions=engine.preemptions,
+            # prompt tokens found in the prefix cache, of all prompt tokens admitted
             prefix_cache_hits=engine.cached_prompt_tokens,
             prefix_cache_queries=engine.prompt_tokens,
         )
