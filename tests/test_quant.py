@@ -204,7 +204,7 @@ def test_the_default_model_native_is_the_files_size_and_answers_like_float32(smo
         got, want = native(ids), float_model(ids)
     # float32 *is* the dequantized file: the same weights, the same products
     assert _same_products(got, want)
-    engine = minillm.Engine(native, tok)
+    engine = minillm.Engine(native, tok, compile=False)  # the compiled packed product: tested on small layers above
     assert engine.generate(["The capital of France is"], minillm.SamplingParams(max_new_tokens=2))[0].text.startswith(" Paris")
 
 
@@ -213,6 +213,7 @@ def test_the_cli_offers_load_models_weight_formats_and_runs_one(capsys):
     from minillm.model import loading
 
     assert cli.WEIGHTS == loading.WEIGHTS
-    assert cli.main(["generate", "--weights", "native", "--max-new-tokens", "3", "--prompt", "The capital of France is"]) == 0
+    assert cli.main(["generate", "--weights", "native", "--cache", "contiguous", "--max-new-tokens", "3",
+                     "--prompt", "The capital of France is"]) == 0
     out = capsys.readouterr()
     assert out.out.startswith(" Paris") and "(native weights)" in out.err
