@@ -158,15 +158,18 @@ class BlockManager:
             keys.append(previous)
         return keys
 
+    def has_unkeyed_full_blocks(self, seq_id: int) -> bool:
+        """Whether the sequence has filled a block since its blocks were last keyed (with prefix
+        caching on): the cheap question to ask each step before handing over its tokens."""
+        return self.prefix_caching and self.lengths[seq_id] // self.block_size > len(self.keys[seq_id])
+
     def cache_full_blocks(self, seq_id: int, tokens: Sequence[int]) -> None:
         """Key the sequence's blocks that are full of computed tokens (``tokens`` are its ids so
         far, prompt then output), so later prompts can find them. A no-op without prefix caching."""
-        if not self.prefix_caching:
+        if not self.has_unkeyed_full_blocks(seq_id):
             return
         keys, table = self.keys[seq_id], self.block_tables[seq_id]
         full = self.lengths[seq_id] // self.block_size
-        if full <= len(keys):  # nothing filled since the last call (most decode steps)
-            return
         start = len(keys) * self.block_size
         new = self.prefix_keys(tokens[start : full * self.block_size], keys[-1] if keys else None)
         for block, key in zip(table[len(keys) : full], new):

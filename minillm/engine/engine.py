@@ -472,10 +472,9 @@ class Engine:
 
     def _cache_full_blocks(self, units: Sequence[Unit]) -> None:
         """Key the blocks the step just filled, so later prompts with the same prefix reuse them."""
-        if self.manager.prefix_caching:
-            for unit in units:
-                if isinstance(unit, Request):
-                    self.manager.cache_full_blocks(unit.seq_id, unit.all_ids)
+        for unit in units:  # building all_ids copies the sequence: only when a block just filled
+            if isinstance(unit, Request) and self.manager.has_unkeyed_full_blocks(unit.seq_id):
+                self.manager.cache_full_blocks(unit.seq_id, unit.all_ids)
 
     def _sample(self, requests: list[Request], logits: torch.Tensor) -> list[tuple[Request, str]]:
         if not requests:
