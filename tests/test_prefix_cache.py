@@ -167,3 +167,66 @@ def test_a_small_pool_evicts_cached_prefixes_and_keeps_serving(tiny64):
     for prompt in prompts + prompts[:2]:
         assert small.generate([prompt], params)[0].token_ids == plain.generate([prompt], params)[0].token_ids
     assert small.manager.allocator.num_free == small.manager.allocator.num_blocks
+
+
+def _counting_prefill(engine: minillm.Engine) -> list[int]:
+    """Record how many prompt tokens each prefill forward computes."""
+    computed: list[int] = []
+    original = engine.runner.prefill
+
+    def prefill(seq_ids, token_lists):
+        computed.append(sum(len(tokens) for tokens in token_lists))
+        return original(seq_ids, token_lists)
+
+    engine.runner.prefill = prefill
+    return computed
+
+
+@pytest.mark.parametrize("chunk", [None, 8])
+@pytest.mark.parametrize("extra", [0, 3])  # the prompt ends on a block boundary (a full hit), or inside a block
+def test_n_completions_compute_their_shared_prompt_once(tiny64, chunk, extra):
+    model, tok = tiny64
+    prompt = tok.encode("Now is the winter of our discontent made glorious summer by this sun of York")[: 24 + extra]
+    params = SamplingParams(max_new_tokens=5, temperature=0.9, seed=7, n=4)
+    plain = minillm.Engine(model, tok, block_size=4, compile=False, prefill_chunk_tokens=chunk)
+    cached = minillm.Engine(model, tok, block_size=4, compile=False, prefix_caching=True, prefill_chunk_tokens=chunk)
+    free = cached.manager.allocator.num_free
+    computed = _counting_prefill(cached)
+    want = [c.token_ids for c in plain.generate([prompt], params)]
+    assert [c.token_ids for c in cached.generate([prompt], params)] == want
+    # the first completion computes the prompt; each sibling waits for its blocks, then computes at
+    # most the partial last block (on a full hit: the last token, for its logits)
+    assert sum(computed) <= len(prompt) + 3 * max(extra, 1)
+    assert cached.cached_prompt_tokens >= 3 * (len(prompt) - max(extra, 1))
+    assert cached.manager.allocator.num_free == free
+
+
+def test_requests_arriving_together_with_one_system_prompt_compute_it_once(tiny64):
+    model, tok = tiny64
+    system = tok.encode("To be, or not to be, that is the question: whether 'tis nobler in the mind")[:20]
+    questions = [tok.encode(f" and {word}?") for word in ("why", "who", "when", "where", "how", "what")]
+    params = SamplingParams(max_new_tokens=4)
+    plain = minillm.Engine(model, tok, block_size=4, compile=False)
+    cached = minillm.Engine(model, tok, block_size=4, compile=False, prefix_caching=True)
+    computed = _counting_prefill(cached)
+    prompts = [system + q for q in questions]
+    want = [c.token_ids for c in plain.generate(prompts, params)]
+    assert [c.token_ids for c in cached.generate(prompts, params)] == want  # all six queued at once
+    assert sum(computed) <= len(system) + sum(len(q) + 4 for q in questions)
+    assert cached.manager.allocator.num_free == cached.manager.allocator.num_blocks
+
+
+def test_a_beam_search_caches_its_prompt_for_later_requests(tiny64):
+    model, tok = tiny64
+    prompt = tok.encode("Friends, Romans, countrymen, lend me your ears; I come to bury Caesar")[:16]
+    cached = minillm.Engine(model, tok, block_size=4, compile=False, prefix_caching=True)
+    plain = minillm.Engine(model, tok, block_size=4, compile=False)
+    beams = SamplingParams(max_new_tokens=4, num_beams=3, n=2)
+    assert [c.token_ids for c in cached.generate([prompt], beams)] == \
+        [c.token_ids for c in plain.generate([prompt], beams)]
+    before = cached.cached_prompt_tokens
+    follow = prompt + tok.encode(" not to praise him")
+    params = SamplingParams(max_new_tokens=4)
+    assert cached.generate([follow], params)[0].token_ids == plain.generate([follow], params)[0].token_ids
+    assert cached.cached_prompt_tokens - before == len(prompt)  # every block of the beams' prompt
+    assert cached.manager.allocator.num_free == cached.manager.allocator.num_blocks

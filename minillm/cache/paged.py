@@ -158,6 +158,15 @@ class BlockManager:
             keys.append(previous)
         return keys
 
+    def uncached_keys(self, tokens: Sequence[int]) -> list[int]:
+        """The prefix keys of ``tokens``' full blocks from the first one not in the cache on:
+        the blocks a prefill of ``tokens`` would compute (and an empty list on a full hit)."""
+        keys = self.prefix_keys(tokens)
+        cached = 0
+        while cached < len(keys) and keys[cached] in self.allocator.block_of:
+            cached += 1
+        return keys[cached:]
+
     def has_unkeyed_full_blocks(self, seq_id: int) -> bool:
         """Whether the sequence has filled a block since its blocks were last keyed (with prefix
         caching on): the cheap question to ask each step before handing over its tokens."""

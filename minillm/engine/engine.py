@@ -66,6 +66,7 @@ class Prefill:
     unit: Unit
     seq_id: int
     tokens: list[int]
+    pending_keys: list[int]  # prefix keys of the full blocks it computes (with prefix caching)
 
 
 class TextStream:
@@ -381,9 +382,18 @@ class Engine:
 
     def _admit(self) -> list[Unit]:
         """Pop waiting units while the batch has rows and the pool has blocks for their prompts,
-        keeping one spare block per row so the next decode step does not force a preemption."""
+        keeping one spare block per row so the next decode step does not force a preemption.
+
+        With prefix caching, a unit whose next uncached block is being computed right now by a
+        prompt in flight (admitted earlier, or just before it in this step) waits, keeping its
+        place in the queue: once that block is computed and cached it reuses it instead of
+        computing the same prefix a second time. This is how ``n > 1`` completions of one
+        prompt, and many clients arriving together with one system prompt, share its blocks.
+        """
         waiting = self.waiting
         admitted: list[Unit] = []
+        held: list[Unit] = []  # waiting for a prefix in flight; back to the front of the queue
+        in_flight = {key for prefill in self.prefilling for key in prefill.pending_keys}
         rows = sum(_rows(u) for u in self.running) + sum(_rows(p.unit) for p in self.prefilling)
         blocks = 0
         while waiting:
@@ -395,9 +405,16 @@ class Engine:
             if blocks + unit_blocks + rows + unit_rows > self.manager.allocator.num_free:
                 break
             waiting.popleft()
+            if self.manager.prefix_caching:
+                uncached = self.manager.uncached_keys(_prefill_tokens(unit))
+                if uncached and uncached[0] in in_flight:
+                    held.append(unit)
+                    continue
+                in_flight.update(uncached)
             admitted.append(unit)
             rows += unit_rows
             blocks += unit_blocks
+        waiting.extendleft(reversed(held))
         return admitted
 
     def _start(self, units: list[Unit]) -> None:
@@ -406,15 +423,13 @@ class Engine:
         recomputes its prompt and the tokens it had generated (all but the last, which the next
         decode step feeds in)."""
         for unit in units:
-            if isinstance(unit, BeamSearch):
-                seq_id, tokens = unit.start(), unit.prompt_ids
-            else:
-                seq_id = unit.seq_id
-                tokens = unit.all_ids[:-1] if unit.output_ids else unit.all_ids
+            seq_id = unit.start() if isinstance(unit, BeamSearch) else unit.seq_id
+            tokens = _prefill_tokens(unit)
             cached = self.manager.add_sequence(seq_id, tokens)  # > 0 only with prefix caching
             self.prompt_tokens += len(tokens)
             self.cached_prompt_tokens += cached
-            self.prefilling.append(Prefill(unit, seq_id, tokens[cached:]))
+            pending = self.manager.uncached_keys(tokens) if self.manager.prefix_caching else []
+            self.prefilling.append(Prefill(unit, seq_id, tokens[cached:], pending))
             self.cache.copy_blocks(self.manager.reserve([seq_id], [len(tokens) - cached]))
 
     def _prefill(self) -> list[tuple[Request, str]]:
@@ -437,7 +452,8 @@ class Engine:
             if not prefill.tokens:
                 done.append((row, prefill.unit))
         self.prefilling = [p for p in self.prefilling if p.tokens]
-        self._cache_full_blocks([p.unit for p, _ in chunks])
+        for prefill, _ in chunks:
+            self._cache_full_blocks(prefill.seq_id, prefill.unit)
         fresh = [(row, u) for row, u in done if isinstance(u, Request) and not u.output_ids]
         events = self._sample([u for _, u in fresh], logits[[row for row, _ in fresh]])  # type: ignore[misc]
         for row, unit in done:
@@ -457,7 +473,9 @@ class Engine:
                 seq_ids.append(unit.seq_id)
                 tokens.append(unit.output_ids[-1])
         logits = self.runner.decode(seq_ids, tokens)
-        self._cache_full_blocks(self.running)
+        for unit in self.running:
+            if isinstance(unit, Request):  # (beams diverge: only their shared prompt is keyed)
+                self._cache_full_blocks(unit.seq_id, unit)
         row, sampled, sampled_rows = 0, [], []
         for unit in self.running:
             if isinstance(unit, BeamSearch):
@@ -470,11 +488,11 @@ class Engine:
                 row += 1
         return self._sample(sampled, logits[sampled_rows])
 
-    def _cache_full_blocks(self, units: Sequence[Unit]) -> None:
-        """Key the blocks the step just filled, so later prompts with the same prefix reuse them."""
-        for unit in units:  # building all_ids copies the sequence: only when a block just filled
-            if isinstance(unit, Request) and self.manager.has_unkeyed_full_blocks(unit.seq_id):
-                self.manager.cache_full_blocks(unit.seq_id, unit.all_ids)
+    def _cache_full_blocks(self, seq_id: int, unit: Unit) -> None:
+        """Key the blocks of ``seq_id`` the step just filled, so later prompts with the same
+        prefix reuse them: a request's prompt and output, a beam search's prompt."""
+        if self.manager.has_unkeyed_full_blocks(seq_id):  # (building the ids copies them: only when a block filled)
+            self.manager.cache_full_blocks(seq_id, unit.prompt_ids if isinstance(unit, BeamSearch) else unit.all_ids)
 
     def _sample(self, requests: list[Request], logits: torch.Tensor) -> list[tuple[Request, str]]:
         if not requests:
@@ -551,7 +569,13 @@ def _seq_ids(unit: Unit) -> list[int]:
     return unit.seq_ids if isinstance(unit, BeamSearch) else [unit.seq_id]
 
 
-def _prefill_len(unit: Unit) -> int:
+def _prefill_tokens(unit: Unit) -> list[int]:
+    """The tokens a unit's prefill puts in the cache: its prompt, or for a preempted request the
+    prompt and every token it had generated but the last (the next decode step feeds that one)."""
     if isinstance(unit, BeamSearch):
-        return len(unit.prompt_ids)
-    return len(unit.all_ids) - (1 if unit.output_ids else 0)
+        return unit.prompt_ids
+    return unit.all_ids[:-1] if unit.output_ids else unit.all_ids
+
+
+def _prefill_len(unit: Unit) -> int:
+    return len(_prefill_tokens(unit))
