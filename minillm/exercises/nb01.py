@@ -8,6 +8,7 @@ written out as the function a learner would write, so a wrong answer of that kin
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable
 from functools import cache
@@ -349,35 +350,39 @@ def _encode_cases() -> list[tuple[tuple[bytes, list[Pair]], list[int]]]:
     return cases
 
 
-def _encode_leftmost(data: bytes, merges: list[Pair]) -> list[int]:
-    ranks = {pair: rank for rank, pair in enumerate(merges)}
-    ids = list(data)
-    while True:
-        known = [pair for pair in zip(ids, ids[1:]) if pair in ranks]
-        if not known:
-            return ids
-        ids = _merge(ids, known[0], 256 + ranks[known[0]])
+def _encode_with(pick: Callable[[list[Pair], dict[Pair, int]], Pair], rounds: float = math.inf,
+                 merge: Callable[[list[int], Pair, int], list[int]] | None = None) -> Callable[[bytes, list[Pair]], list[int]]:
+    """An encoder that merges the pair ``pick`` chooses among the known adjacent pairs, for at
+    most ``rounds`` merges, with ``merge``: each classic mistake changes one of the three."""
+    merge = merge or _merge
+
+    def encode(data: bytes, merges: list[Pair]) -> list[int]:
+        ranks = {pair: rank for rank, pair in enumerate(merges)}
+        ids = list(data)
+        done = 0
+        while done < rounds:
+            known = [pair for pair in zip(ids, ids[1:]) if pair in ranks]
+            if not known:
+                break
+            best = pick(known, ranks)
+            ids = merge(ids, best, 256 + ranks[best])
+            done += 1
+        return ids
+
+    return encode
 
 
-def _encode_one_round(data: bytes, merges: list[Pair]) -> list[int]:
-    ranks = {pair: rank for rank, pair in enumerate(merges)}
-    ids = list(data)
-    known = [pair for pair in zip(ids, ids[1:]) if pair in ranks]
-    if known:
-        best = min(known, key=ranks.__getitem__)
-        ids = _merge(ids, best, 256 + ranks[best])
-    return ids
+def _lowest_rank(known: list[Pair], ranks: dict[Pair, int]) -> Pair:
+    return min(known, key=ranks.__getitem__)
 
 
-def _encode_right_to_left(data: bytes, merges: list[Pair]) -> list[int]:
-    ranks = {pair: rank for rank, pair in enumerate(merges)}
-    ids = list(data)
-    while True:
-        known = [pair for pair in zip(ids, ids[1:]) if pair in ranks]
-        if not known:
-            return ids
-        best = min(known, key=ranks.__getitem__)
-        ids = _merge(ids[::-1], best[::-1], 256 + ranks[best])[::-1]
+def _merge_right_to_left(ids: list[int], pair: Pair, new_id: int) -> list[int]:
+    return _merge(ids[::-1], (pair[1], pair[0]), new_id)[::-1]
+
+
+_encode_leftmost = _encode_with(lambda known, ranks: known[0])
+_encode_one_round = _encode_with(_lowest_rank, rounds=1)
+_encode_right_to_left = _encode_with(_lowest_rank, merge=_merge_right_to_left)
 
 
 ENCODE_MISTAKES = [

@@ -335,7 +335,9 @@ class _DoubleFreeAccepted(BlockAllocator):
 
 class _AllocatesOnDemand(_OnThePackage):
     """``append_slot`` as a learner writes it: allocate when the token needs a block, without
-    asking first how many are free (the package's ``reserve`` checks before it changes anything)."""
+    asking first how many are free (the package's ``reserve`` checks before it changes anything).
+    The copy-on-write of a shared last block is its own method, so each classic mistake below
+    rewrites only that."""
 
     def append_slot(self, seq: int) -> tuple[int, int, tuple[int, int] | None]:
         position, table = self.lengths[seq], self.tables[seq]
@@ -343,11 +345,15 @@ class _AllocatesOnDemand(_OnThePackage):
         if position % self.block_size == 0:
             table.append(self.allocate())
         elif self.ref_counts[table[-1]] > 1:
-            copy = (table[-1], self.allocate())
-            self.free_block(copy[0])
-            table[-1] = copy[1]
+            copy = self.copy_on_write(table)
         self.lengths[seq] += 1
         return table[-1], position % self.block_size, copy
+
+    def copy_on_write(self, table: list[int]) -> tuple[int, int] | None:
+        copy = (table[-1], self.allocate())
+        self.free_block(copy[0])
+        table[-1] = copy[1]
+        return copy
 
 
 def _with(allocator: type[BlockAllocator], base: type[_OnThePackage] = _OnThePackage) -> type[_OnThePackage]:
@@ -368,41 +374,25 @@ class _ForkSharesTheList(_OnThePackage):
         self.lengths[child] = self.lengths[parent]
 
 
-class _NoCopyOnWrite(_OnThePackage):
-    def append_slot(self, seq: int) -> tuple[int, int, tuple[int, int] | None]:
-        position, table = self.lengths[seq], self.tables[seq]
-        if position % self.block_size == 0:
-            table.append(self.allocate())
-        self.lengths[seq] += 1
-        return table[-1], position % self.block_size, None
+class _NoCopyOnWrite(_AllocatesOnDemand):
+    def copy_on_write(self, table: list[int]) -> tuple[int, int] | None:
+        return None  # writes into the shared block
 
 
-class _CopyKeepsTheOldHold(_OnThePackage):
-    def append_slot(self, seq: int) -> tuple[int, int, tuple[int, int] | None]:
-        position, table = self.lengths[seq], self.tables[seq]
-        copy = None
-        if position % self.block_size == 0:
-            table.append(self.allocate())
-        elif self.ref_counts[table[-1]] > 1:
-            copy = (table[-1], self.allocate())
-            table[-1] = copy[1]
-        self.lengths[seq] += 1
-        return table[-1], position % self.block_size, copy
+class _CopyKeepsTheOldHold(_AllocatesOnDemand):
+    def copy_on_write(self, table: list[int]) -> tuple[int, int] | None:
+        copy = (table[-1], self.allocate())
+        table[-1] = copy[1]
+        return copy
 
 
-class _ReleasesBeforeCopying(_OnThePackage):
-    def append_slot(self, seq: int) -> tuple[int, int, tuple[int, int] | None]:
-        position, table = self.lengths[seq], self.tables[seq]
-        copy = None
-        if position % self.block_size == 0:
-            table.append(self.allocate())
-        elif self.ref_counts[table[-1]] > 1:
-            old = table[-1]
-            self.free_block(old)
-            copy = (old, self.allocate())
-            table[-1] = copy[1]
-        self.lengths[seq] += 1
-        return table[-1], position % self.block_size, copy
+class _ReleasesBeforeCopying(_AllocatesOnDemand):
+    def copy_on_write(self, table: list[int]) -> tuple[int, int] | None:
+        old = table[-1]
+        self.free_block(old)
+        copy = (old, self.allocate())
+        table[-1] = copy[1]
+        return copy
 
 
 def _as_mistake(cls: type, message: str) -> Mistake:
