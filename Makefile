@@ -29,8 +29,14 @@ $(STAMP): pyproject.toml Makefile
 demo: setup
 	$(PYTHON) -m minillm demo
 
+# Two worker processes (pytest-xdist), each file on one worker, each worker with its share of the
+# cores (tests/conftest.py sets OMP_NUM_THREADS): much of the suite is single-threaded Python
+# (tokenizers, hypothesis, notebook kernels), so two processes keep both cores of the course
+# machine busy. TEST_WORKERS=1 runs everything in one process, in order.
+TEST_WORKERS ?= 2
+
 test: setup
-	$(PYTHON) -m pytest tests notebooks --nbval-lax --nbval-current-env
+	$(PYTHON) -m pytest -n $(TEST_WORKERS) --dist loadfile notebooks tests --nbval-lax --nbval-current-env
 
 # The loaders' fuzz target, long: mutated GGUF / safetensors / JSON files and random headers,
 # shard names and config values must each load or fail with a clear error (a normal `make test`

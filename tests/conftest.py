@@ -14,6 +14,12 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Under pytest-xdist (`make test`), each worker gets its share of the cores, and so do the
+# processes it starts (CLI subprocesses, notebook kernels): two workers each running an OpenMP
+# team as wide as the machine would make every torch op several times slower.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
 
 from minillm import Tokenizer, train_bpe  # noqa: E402
 from minillm.assets import corpus_path, default_gguf_path, gpt2_vocab_dir  # noqa: E402
