@@ -437,14 +437,8 @@ class Engine:
         step's token budget (all of them whole without chunking). Each request whose prompt is
         now complete samples its first token (one batched sampler call), each beam search takes
         its first step, and they join the running batch."""
-        budget = self.prefill_chunk_tokens or math.inf
-        chunks: list[tuple[Prefill, list[int]]] = []
-        for prefill in self.prefilling:
-            if budget <= 0:
-                break
-            chunk = prefill.tokens if budget >= len(prefill.tokens) else prefill.tokens[: int(budget)]
-            chunks.append((prefill, chunk))
-            budget -= len(chunk)
+        sizes = prefill_chunk_sizes([len(p.tokens) for p in self.prefilling], self.prefill_chunk_tokens)
+        chunks = [(prefill, prefill.tokens[:n]) for prefill, n in zip(self.prefilling, sizes) if n > 0]
         logits = self.runner.prefill([p.seq_id for p, _ in chunks], [chunk for _, chunk in chunks])
         done: list[tuple[int, Unit]] = []
         for row, (prefill, chunk) in enumerate(chunks):
@@ -543,6 +537,21 @@ class Engine:
     def _new_seq_id(self) -> int:
         self._next_seq_id += 1
         return self._next_seq_id - 1
+
+
+def prefill_chunk_sizes(remaining: Sequence[int], budget: int | None) -> list[int]:
+    """How many prompt tokens each request being prefilled computes this step: in arrival order,
+    each takes what it still needs while the step's ``budget`` lasts (``prefill_chunk_tokens``),
+    so one prompt may get a partial chunk and the ones after it wait (0); with no budget (None)
+    every prompt is computed whole. The budget counts prompt tokens only: every running request
+    also decodes its one token each step, whatever the budget."""
+    left = math.inf if budget is None else budget
+    sizes = []
+    for n in remaining:
+        take = int(min(n, left))
+        sizes.append(take)
+        left -= take
+    return sizes
 
 
 def _positive_int(name: str, value: object) -> int:
