@@ -1,0 +1,262 @@
+"""Notebook 12's exercises: a right answer passes, each classic wrong answer is named."""
+
+from __future__ import annotations
+
+import pytest
+
+from minillm.cache import BlockManager
+from minillm.engine import prefill_chunk_sizes
+from minillm.exercises import nb12
+
+# --- the right answers, written as a learner would ---------------------------------------------------
+
+
+def _keys_right(tokens, block_size):
+    keys, previous = [], None
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        previous = hash((previous, tuple(tokens[start : start + block_size])))
+        keys.append(previous)
+    return keys
+
+
+def _keys_by_blocks(tokens, block_size):
+    # the same, spelled differently: count the full blocks first, then chain
+    keys = []
+    for i in range(len(tokens) // block_size):
+        keys.append(hash((keys[-1] if keys else None, tuple(tokens[i * block_size : (i + 1) * block_size]))))
+    return keys
+
+
+def _step_right(decoding, prefilling, budget):
+    plan = {name: 1 for name in decoding}
+    left = float("inf") if budget is None else budget
+    for name, n in prefilling:
+        plan[name] = int(min(n, left))
+        left -= plan[name]
+    return plan
+
+
+def _step_with_break(decoding, prefilling, budget):
+    # the engine's old loop: stop at the first prompt the budget cannot fully serve, the rest get 0
+    plan = {name: 1 for name in decoding} | {name: 0 for name, _ in prefilling}
+    left = budget
+    for name, n in prefilling:
+        if left is not None and left <= 0:
+            break
+        plan[name] = n if left is None or left >= n else left
+        if left is not None:
+            left -= plan[name]
+    return plan
+
+
+@pytest.mark.parametrize(
+    "check, right",
+    [
+        (nb12.check_prefix_keys, _keys_right),
+        (nb12.check_prefix_keys, _keys_by_blocks),
+        (nb12.check_token_budget_step, _step_right),
+        (nb12.check_token_budget_step, _step_with_break),
+    ],
+    ids=["keys", "keys-by-count", "step", "step-break"],
+)
+def test_right_answers_pass(capsys, check, right):
+    assert check(right) is True
+    assert "✅" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("check", [nb12.check_prefix_keys, nb12.check_token_budget_step])
+def test_an_untouched_stub_says_not_attempted(capsys, check):
+    def stub(*args):
+        raise NotImplementedError
+
+    assert check(stub) is False
+    assert "⏳" in capsys.readouterr().out
+
+
+def test_the_cases_come_from_the_package():
+    m = BlockManager(4, 4, prefix_caching=True)
+    tokens = [5, 6, 7, 8, 9, 10, 11, 12, 13]
+    assert nb12.package_keys(tokens, 4) == m.prefix_keys(tokens)
+    m.add_sequence(0, tokens)
+    m.reserve([0], [len(tokens)])
+    m.advance([0], [len(tokens)])
+    m.cache_full_blocks(0, tokens)
+    assert m.keys[0] == nb12.package_keys(tokens, 4)  # what the manager stores is what the check expects
+    assert nb12.package_step(["a"], [("p", 5), ("q", 9)], 8) == {"a": 1, "p": 5, "q": 3}
+    assert prefill_chunk_sizes([5, 9, 4], 8) == [5, 3, 0] and prefill_chunk_sizes([5, 9], None) == [5, 9]
+
+
+# --- the mistakes, written as a learner would ---------------------------------------------------------
+
+
+def _keys_not_chained(tokens, block_size):
+    return [hash(tuple(tokens[i : i + block_size])) for i in range(0, len(tokens) - block_size + 1, block_size)]
+
+
+def _keys_not_chained_none(tokens, block_size):
+    return [hash((None, tuple(tokens[i : i + block_size]))) for i in range(0, len(tokens) - block_size + 1, block_size)]
+
+
+def _keys_partial_too(tokens, block_size):
+    keys, previous = [], None
+    for start in range(0, len(tokens), block_size):
+        previous = hash((previous, tuple(tokens[start : start + block_size])))
+        keys.append(previous)
+    return keys
+
+
+def _keys_prefix_rehashed(tokens, block_size):
+    return [hash(tuple(tokens[:end])) for end in range(block_size, len(tokens) + 1, block_size)]
+
+
+def _keys_chain_on_previous_tokens(tokens, block_size):
+    keys, previous = [], None
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        block = tuple(tokens[start : start + block_size])
+        keys.append(hash((previous, block)))
+        previous = block
+    return keys
+
+
+def _keys_from_zero(tokens, block_size):
+    keys, previous = [], 0
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        previous = hash((previous, tuple(tokens[start : start + block_size])))
+        keys.append(previous)
+    return keys
+
+
+def _keys_block_first(tokens, block_size):
+    keys, previous = [], None
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        previous = hash((tuple(tokens[start : start + block_size]), previous))
+        keys.append(previous)
+    return keys
+
+
+def _keys_list_block(tokens, block_size):
+    keys, previous = [], None
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        previous = hash((previous, tokens[start : start + block_size]))  # a list: unhashable
+        keys.append(previous)
+    return keys
+
+
+@pytest.mark.parametrize(
+    "wrong, says",
+    [
+        (_keys_not_chained, "only its own block"),
+        (_keys_not_chained_none, "only its own block"),
+        (_keys_partial_too, "partial last block"),
+        (_keys_prefix_rehashed, "whole prefix from token 0"),
+        (_keys_chain_on_previous_tokens, "previous block's tokens"),
+        (_keys_from_zero, "starts from 0"),
+        (_keys_block_first, "other order"),
+        (_keys_list_block, "unhashable"),
+    ],
+    ids=["unchained", "unchained-none", "partial", "rehash-prefix", "chain-tokens", "zero", "order", "list"],
+)
+def test_key_mistakes_are_named(capsys, wrong, says):
+    assert nb12.check_prefix_keys(wrong) is False
+    assert says in capsys.readouterr().out
+
+
+def _step_ignores_budget(decoding, prefilling, budget):
+    return {name: 1 for name in decoding} | dict(prefilling)
+
+
+def _step_min_each(decoding, prefilling, budget):
+    plan = {name: 1 for name in decoding}
+    for name, n in prefilling:
+        plan[name] = n if budget is None else min(n, budget)
+    return plan
+
+
+def _step_oldest_only(decoding, prefilling, budget):
+    plan = {name: 1 for name in decoding} | {name: 0 for name, _ in prefilling}
+    if prefilling:
+        name, n = prefilling[0]
+        plan[name] = n if budget is None else min(n, budget)
+    return plan
+
+
+def _step_lifo(decoding, prefilling, budget):
+    plan = {name: 1 for name in decoding}
+    left = float("inf") if budget is None else budget
+    for name, n in reversed(prefilling):
+        plan[name] = int(min(n, left))
+        left -= plan[name]
+    return plan
+
+
+def _step_prompts_first(decoding, prefilling, budget):
+    plan, left = {}, float("inf") if budget is None else budget
+    for name, n in prefilling:
+        plan[name] = int(min(n, left))
+        left -= plan[name]
+    for name in decoding:
+        plan[name] = 1 if left >= 1 else 0
+        left -= plan[name]
+    return plan
+
+
+def _step_vllm_budget(decoding, prefilling, budget):
+    plan = {name: 1 for name in decoding}
+    left = float("inf") if budget is None else budget - len(decoding)
+    for name, n in prefilling:
+        plan[name] = int(max(min(n, left), 0))
+        left -= plan[name]
+    return plan
+
+
+def _step_fair_share(decoding, prefilling, budget):
+    plan = {name: 1 for name in decoding}
+    for name, n in prefilling:
+        plan[name] = n if budget is None else min(n, budget // len(prefilling))
+    return plan
+
+
+def _step_forgets_decodes(decoding, prefilling, budget):
+    return {name: n for name, n in _step_right([], prefilling, budget).items()}
+
+
+def _step_skips_waiting(decoding, prefilling, budget):
+    return {name: n for name, n in _step_right(decoding, prefilling, budget).items() if n}
+
+
+def _step_over_by_one(decoding, prefilling, budget):
+    # an off-by-one: the budget check lets one token too many through
+    plan = {name: 1 for name in decoding}
+    left = float("inf") if budget is None else budget + 1
+    for name, n in prefilling:
+        plan[name] = int(min(n, left))
+        left -= plan[name]
+    return plan
+
+
+@pytest.mark.parametrize(
+    "wrong, says",
+    [
+        (_step_ignores_budget, "the budget was ignored"),
+        (_step_min_each, "exceeds it"),
+        (_step_oldest_only, "only the oldest prompt"),
+        (_step_lifo, "newest prompt went first"),
+        (_step_prompts_first, "decodes were starved"),
+        (_step_vllm_budget, "vLLM's rule"),
+        (_step_fair_share, "split evenly"),
+        (_step_forgets_decodes, "running requests are missing"),
+        (_step_skips_waiting, "with 0"),
+        (_step_over_by_one, "expected {'a': 1, 'b': 1, 'c': 1, 'long': 256}"),  # no name: the values are shown
+    ],
+    ids=["no-budget", "budget-each", "oldest-only", "lifo", "starve", "vllm", "fair", "no-decodes", "no-zeros",
+         "off-by-one"],
+)
+def test_step_mistakes_are_named(capsys, wrong, says):
+    assert nb12.check_token_budget_step(wrong) is False
+    assert says in capsys.readouterr().out
+
+
+def test_hints_come_in_tiers(capsys):
+    nb12.check_prefix_keys(_keys_not_chained, hint=2)
+    out = capsys.readouterr().out
+    assert "Hint 1/3" in out and "Hint 2/3" in out and "Hint 3/3" not in out and "hint=3" in out
