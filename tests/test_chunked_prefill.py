@@ -84,3 +84,16 @@ def test_the_chunk_size_is_checked(tiny64):  # noqa: F811
     model, tok = tiny64
     with pytest.raises(ValueError, match="prefill_chunk_tokens"):
         minillm.Engine(model, tok, compile=False, prefill_chunk_tokens=0)
+
+
+def test_requests_being_prefilled_count_against_max_batch_size(tiny64):  # noqa: F811
+    # Prompts prefilled over several steps hold batch rows: a waiting request may not be admitted
+    # past max_batch_size just because none of them is decoding yet.
+    model, tok = tiny64
+    engine = minillm.Engine(model, tok, block_size=4, compile=False, max_batch_size=2, prefill_chunk_tokens=4)
+    requests = [engine.add_request(_prompts(tok)[1], SamplingParams(max_new_tokens=2)) for _ in range(3)]
+    while engine.has_unfinished_requests():
+        engine.step()
+        assert len(engine.running) + len(engine.prefilling) <= 2
+    assert all(r.finished for r in requests)
+    assert engine.manager.allocator.num_free == engine.manager.allocator.num_blocks

@@ -400,7 +400,7 @@ class Engine:
             unit = waiting[0]
             unit_rows = unit.params.num_beams if isinstance(unit, BeamSearch) else 1
             unit_blocks = self.manager.blocks_for_tokens(_prefill_len(unit))
-            if rows + unit_rows > self.max_batch_size and (self.running or admitted):
+            if rows + unit_rows > self.max_batch_size and rows:  # an empty batch takes even an oversized unit
                 break
             if blocks + unit_blocks + rows + unit_rows > self.manager.allocator.num_free:
                 break
