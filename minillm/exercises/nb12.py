@@ -72,11 +72,13 @@ def _keys_chained_on_tokens(tokens: Sequence[int], block_size: int) -> list[int]
 def _chain(start: object, pair: Callable[[object, tuple[int, ...]], tuple[object, object]]
            ) -> Callable[[Sequence[int], int], list[int]]:
     def keys(tokens: Sequence[int], block_size: int) -> list[int]:
-        out, previous = [], start
+        out: list[int] = []
+        previous = start
         for block in _full_blocks(tokens, block_size):
-            previous = hash(pair(previous, block))
-            out.append(previous)
-        return out  # type: ignore[return-value]
+            key = hash(pair(previous, block))
+            out.append(key)
+            previous = key
+        return out
 
     return keys
 
@@ -155,26 +157,26 @@ def _limit(budget: int | None) -> float:
     return float("inf") if budget is None else budget
 
 
-def _step_whole_prompts(decoding, prefilling, budget):  # type: ignore[no-untyped-def]
+def _step_whole_prompts(decoding: Sequence[str], prefilling: Prefilling, budget: int | None) -> dict[str, int]:
     return {d: 1 for d in decoding} | {p: n for p, n in prefilling}
 
 
-def _step_budget_each(decoding, prefilling, budget):  # type: ignore[no-untyped-def]
+def _step_budget_each(decoding: Sequence[str], prefilling: Prefilling, budget: int | None) -> dict[str, int]:
     return {d: 1 for d in decoding} | {p: int(min(n, _limit(budget))) for p, n in prefilling}
 
 
-def _step_first_only(decoding, prefilling, budget):  # type: ignore[no-untyped-def]
+def _step_first_only(decoding: Sequence[str], prefilling: Prefilling, budget: int | None) -> dict[str, int]:
     return {d: 1 for d in decoding} | {p: int(min(n, _limit(budget))) if i == 0 else 0
                                       for i, (p, n) in enumerate(prefilling)}
 
 
-def _step_newest_first(decoding, prefilling, budget):  # type: ignore[no-untyped-def]
+def _step_newest_first(decoding: Sequence[str], prefilling: Prefilling, budget: int | None) -> dict[str, int]:
     order = list(prefilling)[::-1]
     chunks = dict(zip([p for p, _ in order], prefill_chunk_sizes([n for _, n in order], budget)))
     return {d: 1 for d in decoding} | {p: chunks[p] for p, _ in prefilling}
 
 
-def _step_prefill_before_decodes(decoding, prefilling, budget):  # type: ignore[no-untyped-def]
+def _step_prefill_before_decodes(decoding: Sequence[str], prefilling: Prefilling, budget: int | None) -> dict[str, int]:
     chunks = prefill_chunk_sizes([n for _, n in prefilling], budget)
     left = _limit(budget) - sum(chunks)
     decodes = {}
@@ -184,22 +186,22 @@ def _step_prefill_before_decodes(decoding, prefilling, budget):  # type: ignore[
     return decodes | {p: n for (p, _), n in zip(prefilling, chunks)}
 
 
-def _step_decodes_in_budget(decoding, prefilling, budget):  # type: ignore[no-untyped-def]
+def _step_decodes_in_budget(decoding: Sequence[str], prefilling: Prefilling, budget: int | None) -> dict[str, int]:
     left = _limit(budget) - len(decoding)
     chunks = prefill_chunk_sizes([n for _, n in prefilling], None if budget is None else max(int(left), 0))
     return {d: 1 for d in decoding} | {p: n for (p, _), n in zip(prefilling, chunks)}
 
 
-def _step_equal_split(decoding, prefilling, budget):  # type: ignore[no-untyped-def]
+def _step_equal_split(decoding: Sequence[str], prefilling: Prefilling, budget: int | None) -> dict[str, int]:
     share = _limit(budget) / max(len(prefilling), 1)
     return {d: 1 for d in decoding} | {p: int(min(n, share)) for p, n in prefilling}
 
 
-def _step_no_decodes(decoding, prefilling, budget):  # type: ignore[no-untyped-def]
+def _step_no_decodes(decoding: Sequence[str], prefilling: Prefilling, budget: int | None) -> dict[str, int]:
     return {p: n for (p, _), n in zip(prefilling, prefill_chunk_sizes([n for _, n in prefilling], budget))}
 
 
-def _step_waiting_left_out(decoding, prefilling, budget):  # type: ignore[no-untyped-def]
+def _step_waiting_left_out(decoding: Sequence[str], prefilling: Prefilling, budget: int | None) -> dict[str, int]:
     return {k: v for k, v in package_step(decoding, prefilling, budget).items() if v > 0}
 
 
