@@ -1451,5 +1451,8 @@ def print_serve_report(r: dict[str, Any]) -> None:
 
         print(f"minillm serve (defaults) vs {row['label']}: throughput {ratio('throughput')} (goal: >= 2x); "
               f"p99 TTFT {ratio('ttft_p99')} (goal: <= 0.5x)")
+    late = max((run["late_max_ms"] for entry in r["systems"].values() for run in entry["runs"]), default=0.0)
+    if late > 50:
+        print(f"note: the client sent some requests up to {late:.0f} ms behind their schedule (a busy machine)")
     if r["transformers_error"]:
         print(f"transformers serve could not run here:\n{r['transformers_error'].rstrip()}")

@@ -227,3 +227,24 @@ def test_a_server_that_exits_before_it_is_ready_is_reported_with_its_log(tmp_pat
             server.wait_ready(60)
     finally:
         server.stop()
+
+
+def test_the_report_prints_every_run_and_says_why_transformers_did_not_run(capsys):
+    run = {"round": 1, "tok_s": 50.0, "ttft_p50_ms": 100.0, "ttft_p99_ms": 200.0, "tpot_p50_ms": 20.0,
+           "tpot_p99_ms": 30.0, "prefix_hit_rate": 0.5, "errors": 0, "requests": 4, "first_errors": [],
+           "late_max_ms": 0.0, "tokens": 32}
+    best = {key: {"best": run[key], "min": run[key], "max": run[key]}
+            for key in ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")}
+    r = {"requests": 4, "rate": 4.0, "seed": 0, "arrival_span_s": 1.0, "system_tokens": 128, "max_tokens": 8,
+         "rounds": 1, "device": "cpu", "dtype": "float32", "threads": 2, "model": "m",
+         "systems": {"minillm:on": {"label": "minillm serve", "runs": [run], "best": best, "tokens_expected": 32,
+                                    "tokens_returned": 32, "peak_rss_mb": 1000.0},
+                     "transformers:cb": {"label": "transformers serve --continuous-batching", "runs": [],
+                                         "error": "it exited"}},
+         "ratios": [], "transformers_error": "transformers serve --continuous-batching: it exited\n"}
+    from minillm.bench import print_serve_report
+
+    print_serve_report(r)
+    out = capsys.readouterr().out
+    assert "minillm serve" in out and "50.0" in out and "50%" in out
+    assert "did not run" in out and "could not run here:\ntransformers serve --continuous-batching: it exited" in out
