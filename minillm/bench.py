@@ -974,10 +974,11 @@ def serve_body(server: str, messages: list[dict[str, str]], max_tokens: int) -> 
 
     minillm: ``ignore_eos`` (as vLLM has it), and ``stream_options.include_usage`` for the token
     count. transformers serve has neither (it refuses unknown fields and ignores
-    ``stream_options``; its last chunk carries the usage anyway): a ``generation_config`` with
-    ``min_new_tokens`` does the same, and its continuous batching, which takes no
-    ``min_new_tokens``, stops at EOS only if the first request's generation config names an EOS
-    token, which this one does not.
+    ``stream_options``; its last chunk carries the usage anyway): its ``generate()`` path gets a
+    ``generation_config`` with ``min_new_tokens``; its continuous batching hands a request only
+    ``max_new_tokens`` and an EOS id, which falls back to the first request's generation config,
+    and this one names none (its log: "Setting to -1 (disabled)"). The token counts are checked
+    anyway: ``bench serve`` reports any server that returned fewer.
     """
     body: dict[str, Any] = {"messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
     if server == "minillm":
