@@ -227,6 +227,12 @@ def _positive(value: str) -> int:
     return number
 
 
+def _names(value: str) -> tuple[str, ...]:
+    """A comma-separated list of names ('none' or nothing: no names)."""
+    names = tuple(name.strip() for name in value.split(",") if name.strip())
+    return () if names == ("none",) else names
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="minillm", description="An LLM inference engine built from scratch.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -284,12 +290,31 @@ def main(argv: list[str] | None = None) -> int:
     serve_parser.add_argument("--no-prefix-caching", action="store_true",
                               help="compute every prompt in full instead of reusing cached blocks of a shared prefix")
     bench = commands.add_parser("bench", help="benchmarks against the reference libraries")
-    bench.add_argument("target", nargs="?", default="model", choices=["model", "cpu", "tokenizer", "cache", "batching", "context", "latency", "load", "quant", "scheduler"])
+    bench.add_argument("target", nargs="?", default="model", choices=["model", "cpu", "tokenizer", "cache", "batching", "context", "latency", "load", "quant", "scheduler",
+                                                               "serve"])
     bench.add_argument("--json", action="store_true", help="print the results as one JSON object")
-    bench.add_argument("--device", default=None, help="model benchmark device (default: cuda if available)")
+    bench.add_argument("--device", default=None, help="model and serve benchmarks: device (default: cuda if available)")
     bench.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     bench.add_argument("--model", type=Path, default=None,
-                       help="model benchmark: a .gguf file or HF checkpoint folder both libraries read (default: SmolLM2-135M-Instruct)")
+                       help="model and serve benchmarks: a .gguf file or HF checkpoint folder both libraries read (default: SmolLM2-135M-Instruct)")
+    load = bench.add_argument_group("serve benchmark (a Poisson load of streaming chat clients against minillm serve "
+                                    "and transformers serve, each a subprocess on loopback)")
+    load.add_argument("--requests", type=_positive, default=16, help="clients per run (default: 16)")
+    load.add_argument("--rate", type=float, default=4.0, help="mean arrivals per second (default: 4)")
+    load.add_argument("--max-tokens", type=_positive, default=32, help="tokens generated per answer (default: 32)")
+    load.add_argument("--system-tokens", type=_positive, default=256,
+                      help="tokens of the shared system prompt (default: 256)")
+    load.add_argument("--rounds", type=_positive, default=2, help="interleaved rounds over the servers (default: 2)")
+    load.add_argument("--seed", type=int, default=0, help="seed of the arrival times (default: 0)")
+    load.add_argument("--max-batch-size", type=_positive, default=16,
+                      help="minillm serve's --max-batch-size; both servers get a KV cache of 1024 tokens per row "
+                           "(default: 16)")
+    load.add_argument("--minillm-configs", default="on,no-cache,no-chunk,off",
+                      help="minillm serve configurations, comma-separated: on (prefix caching and chunked prefill, "
+                           "the defaults), no-cache, no-chunk, off (default: all four)")
+    load.add_argument("--transformers-modes", default="cb,generate",
+                      help="transformers serve modes, comma-separated: cb (--continuous-batching), generate (one "
+                           "generate() at a time); 'none' skips transformers (default: cb,generate)")
     args = parser.parse_args(argv)
 
     try:
@@ -315,6 +340,11 @@ def main(argv: list[str] | None = None) -> int:
                 "latency": (benchmarks.bench_latency, benchmarks.print_latency_report),
                 "quant": (benchmarks.bench_quant, benchmarks.print_quant_report),
                 "scheduler": (benchmarks.bench_scheduler, benchmarks.print_scheduler_report),
+                "serve": (lambda: benchmarks.bench_serve(
+                    args.requests, args.rate, args.max_tokens, args.system_tokens, args.rounds, args.seed,
+                    source=args.model, device=args.device, dtype=args.dtype, max_batch_size=args.max_batch_size,
+                    minillm_configs=_names(args.minillm_configs), transformers_modes=_names(args.transformers_modes)),
+                    benchmarks.print_serve_report),
                 "load": (benchmarks.bench_load, lambda r: print(f"load_model() after conversion: {r['load_s']:.2f} s")),
             }[args.target]
             results = run()

@@ -925,3 +925,535 @@ def print_scheduler_report(r: dict[str, Any]) -> None:
     print(f"chunked prefill: a {r['long_prompt_tokens']}-token prompt arrives while {r['streams']} requests stream: "
           f"their worst gap between tokens {1000 * r['worst_gap_s_chunked']:.0f} ms with {r['chunk']}-token chunks vs "
           f"{1000 * r['worst_gap_s_whole']:.0f} ms whole = {r['gap_ratio']:.2f}x (goal: <= 0.25x)")
+
+
+# --------------------------------------------------------------------------- bench serve
+# The HTTP server under load: clients arriving at random (a seeded Poisson stream), each with
+# the same system prompt and a question of its own, streaming their answers over loopback from
+# `python -m minillm serve` (with prefix caching and chunked prefill on and off) and from
+# `transformers serve` (transformers' own OpenAI-compatible server) on the same weights.
+
+MINILLM_SERVE_CONFIGS: dict[str, tuple[str, list[str]]] = {  # name -> (label, `minillm serve` flags)
+    "on": ("minillm serve (prefix cache + chunked prefill)", []),  # the defaults
+    "no-cache": ("minillm serve --no-prefix-caching", ["--no-prefix-caching"]),
+    "no-chunk": ("minillm serve --prefill-chunk-tokens 0", ["--prefill-chunk-tokens", "0"]),
+    "off": ("minillm serve (neither)", ["--no-prefix-caching", "--prefill-chunk-tokens", "0"]),
+}
+TRANSFORMERS_SERVE_MODES: dict[str, str] = {  # name -> label
+    "cb": "transformers serve --continuous-batching",
+    "generate": "transformers serve (one generate() at a time)",
+}
+HF_CB_PAGE_TOKENS = 256  # transformers' continuous batching: tokens per KV page (its default page_size)
+SERVE_TOPICS = ("the weather", "the main character", "money", "the city", "a promise", "the sea", "a letter",
+                "the king", "food", "a journey", "the night", "a friend", "the law", "music", "a secret", "time")
+
+
+def serve_system_prompts(tok: Tokenizer, n_tokens: int, count: int) -> list[str]:
+    """``count`` different system prompts of ``n_tokens`` corpus tokens each (consecutive slices).
+
+    Each round of ``bench serve`` takes its own, so every run starts with nothing of its system
+    prompt in any prefix cache: the runs of a round, and the rounds, are the same load.
+    """
+    text = corpus_path().read_text(encoding="utf-8")
+    ids = tok.encode(text[: 8 * n_tokens * count + 4096])
+    if len(ids) < n_tokens * count:
+        raise ValueError(f"the corpus gives {len(ids)} tokens, fewer than {count} system prompts of {n_tokens}")
+    return [tok.decode(ids[i * n_tokens:(i + 1) * n_tokens]) for i in range(count)]
+
+
+def serve_conversations(system: str, n_requests: int) -> list[list[dict[str, str]]]:
+    """One chat per client: the shared ``system`` prompt, then a question no other client asks."""
+    return [[{"role": "system", "content": system},
+             {"role": "user", "content": f"Question {i + 1}: what does the text above say about "
+                                         f"{SERVE_TOPICS[i % len(SERVE_TOPICS)]}? Answer in a few sentences."}]
+            for i in range(n_requests)]
+
+
+def serve_body(server: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
+    """A streaming, greedy chat request for ``max_tokens`` tokens, no fewer, in each server's dialect.
+
+    minillm: ``ignore_eos`` (as vLLM has it), and ``stream_options.include_usage`` for the token
+    count. transformers serve has neither (it refuses unknown fields and ignores
+    ``stream_options``; its last chunk carries the usage anyway): its ``generate()`` path gets a
+    ``generation_config`` with ``min_new_tokens``; its continuous batching hands a request only
+    ``max_new_tokens`` and an EOS id, which falls back to the first request's generation config,
+    and this one names none (its log: "Setting to -1 (disabled)"). The token counts are checked
+    anyway: ``bench serve`` reports any server that returned fewer.
+    """
+    body: dict[str, Any] = {"messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
+    if server == "minillm":
+        body.update(ignore_eos=True, stream_options={"include_usage": True})
+    else:
+        import json
+
+        body["generation_config"] = json.dumps({"max_new_tokens": max_tokens, "min_new_tokens": max_tokens,
+                                                "do_sample": False})
+    return body
+
+
+async def _stream_chat(client: Any, body: dict[str, Any]) -> dict[str, Any]:
+    """Send one streaming chat completion; timestamps (``time.perf_counter``) and counts of its answer."""
+    import json
+
+    import httpx
+
+    row: dict[str, Any] = {"sent": time.perf_counter(), "first": None, "last": None, "chunks": 0,
+                           "usage_tokens": None, "error": None, "text": ""}
+    try:
+        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            if response.status_code != 200:
+                detail = (await response.aread()).decode("utf-8", "replace")[:300]
+                row["error"] = f"HTTP {response.status_code}: {detail}"
+            else:
+                async for line in response.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    event = json.loads(data)
+                    if "error" in event:
+                        row["error"] = f"error event: {str(event['error'])[:300]}"
+                        break
+                    choices = event.get("choices") or []
+                    content = "".join((choice.get("delta") or {}).get("content") or "" for choice in choices)
+                    if content:
+                        row["first"] = row["first"] or time.perf_counter()
+                        row["chunks"] += 1
+                        row["text"] += content
+                    if content or any(choice.get("finish_reason") for choice in choices):
+                        # the last token's time: its content, or the finish that follows it at once (a
+                        # token with no text of its own, as a special one, shows up only there)
+                        row["last"] = time.perf_counter()
+                    if event.get("usage"):
+                        row["usage_tokens"] = event["usage"].get("completion_tokens")
+    except (httpx.HTTPError, ValueError) as err:  # ValueError: a line that is not JSON
+        row["error"] = f"{type(err).__name__}: {err}"
+    row["done"] = time.perf_counter()
+    if row["error"] is None and row["first"] is None:
+        row["error"] = "the answer had no content"
+    return row
+
+
+async def _drive_load(url: str, bodies: list[dict[str, Any]], arrivals: list[float],
+                      timeout: float) -> list[dict[str, Any]]:
+    import asyncio
+
+    import httpx
+
+    limits = httpx.Limits(max_connections=len(bodies), max_keepalive_connections=len(bodies))
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(timeout), limits=limits) as client:
+        start = time.perf_counter()
+
+        async def one(i: int) -> dict[str, Any]:
+            await asyncio.sleep(max(0.0, start + arrivals[i] - time.perf_counter()))
+            row = await _stream_chat(client, bodies[i])
+            row["late"] = row["sent"] - (start + arrivals[i])  # how far behind its schedule the client sent it
+            return row
+
+        return list(await asyncio.gather(*(one(i) for i in range(len(bodies)))))
+
+
+def run_load(url: str, bodies: list[dict[str, Any]], arrivals: list[float],
+             timeout: float = 600.0) -> list[dict[str, Any]]:
+    """Send ``bodies[i]`` to ``url``'s ``/v1/chat/completions`` at ``arrivals[i]`` seconds from now,
+    each streaming on a connection of its own (asyncio, httpx), and wait for every answer.
+
+    Per request, in seconds: ``ttft`` (sent to first content), ``tpot`` ((last token - first
+    content) / (tokens - 1), the last token's time being its content or the finish chunk),
+    ``latency`` (sent to the end of the stream), ``tokens`` (the usage count the server reports,
+    else the content chunks), ``chunks``, ``text``, ``late`` (sent behind schedule), and
+    ``error`` (None, or what went wrong: a status, an error event, no content, an exception),
+    plus the raw ``sent`` / ``done`` timestamps.
+    """
+    import asyncio
+
+    rows = asyncio.run(_drive_load(url, bodies, arrivals, timeout))
+    for row in rows:
+        tokens = row["usage_tokens"] if row["usage_tokens"] is not None else row["chunks"]
+        row["tokens"] = tokens
+        row["latency"] = row["done"] - row["sent"]
+        ok = row["error"] is None
+        row["ttft"] = row["first"] - row["sent"] if ok else None
+        row["tpot"] = (row["last"] - row["first"]) / (tokens - 1) if ok and tokens > 1 else None
+    return rows
+
+
+def load_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One run: request and error counts, tokens, output tokens/s over the run's span (first send
+    to last answer), p50/p99 of TTFT, TPOT and latency (ms) over the requests that succeeded."""
+    ok = [row for row in rows if row["error"] is None]
+    span = max(row["done"] for row in rows) - min(row["sent"] for row in rows) if rows else 0.0
+    tokens = sum(row["tokens"] for row in ok)
+    summary: dict[str, Any] = {"requests": len(rows), "errors": len(rows) - len(ok), "tokens": tokens,
+                               "span_s": span, "tok_s": tokens / span if span > 0 else 0.0,
+                               "late_max_ms": 1000 * max((row["late"] for row in rows if "late" in row), default=0.0),
+                               "first_errors": sorted({row["error"] for row in rows if row["error"]})[:3]}
+    for metric in ("ttft", "tpot", "latency"):
+        values = [1000 * row[metric] for row in ok if row[metric] is not None]
+        summary[f"{metric}_p50_ms"] = percentile(values, 50) if values else None
+        summary[f"{metric}_p99_ms"] = percentile(values, 99) if values else None
+    return summary
+
+
+def prometheus_values(text: str) -> dict[str, float]:
+    """``name{labels} value`` lines of Prometheus text, by ``name{labels}``; comments skipped."""
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            try:
+                values[name] = float(value)
+            except ValueError:
+                continue
+    return values
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """For Popen's ``preexec_fn`` on Linux: the child gets SIGTERM when this process dies, even by
+    SIGKILL, so no server outlives the benchmark. (Looked up here, so the child only calls it.)"""
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as sock:
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    """A server in a subprocess: its own process group (ended as a whole, compile workers
+    included), its output in ``log_path``; ``stop()`` always ends it, SIGTERM then SIGKILL."""
+
+    def __init__(self, name: str, argv: list[str], port: int, log_path: Path, env: dict[str, str]) -> None:
+        import subprocess
+
+        self.name, self.argv, self.url, self.log_path = name, argv, f"http://127.0.0.1:{port}", log_path
+        self.stopped = False
+        self._log = open(log_path, "wb")  # noqa: SIM115 (closed by stop)
+        self.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
+                                        env=env, start_new_session=True, preexec_fn=_die_with_parent())
+
+    def log_tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(encoding="utf-8", errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def peak_rss_mb(self) -> float | None:
+        """The server process's peak resident memory (Linux: VmHWM), in MB; None where unknown."""
+        try:
+            status = Path(f"/proc/{self.process.pid}/status").read_text()
+        except OSError:
+            return None
+        line = next((line for line in status.splitlines() if line.startswith("VmHWM:")), None)
+        return int(line.split()[1]) / 1024 if line else None
+
+    def wait_ready(self, timeout: float) -> None:
+        """Poll ``/health`` until it answers 200 with status ok (bounded); the server's log in the error."""
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with status {self.process.returncode} before it was ready "
+                                   f"({' '.join(self.argv)}); its log ends:\n{self.log_tail()}")
+            try:
+                response = httpx.get(f"{self.url}/health", timeout=5)
+                if response.status_code == 200 and response.json().get("status") == "ok":
+                    return
+            except (httpx.HTTPError, ValueError):
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name} was not ready after {timeout:.0f} s; its log ends:\n{self.log_tail()}")
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        import os
+        import signal
+        import subprocess
+
+        if self.stopped:  # once: the group id is not ours to signal after that
+            return
+        self.stopped = True
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self.process.pid, sig)  # the group: the server and whatever it started
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                continue
+        self._log.close()
+
+
+def _serve_children_env() -> dict[str, str]:
+    """The servers' environment: offline, unbuffered, and this very minillm importable."""
+    import os
+
+    import minillm
+
+    env = dict(os.environ)
+    env["HF_HUB_OFFLINE"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    root = str(Path(minillm.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def _range(values: list[float | None], best: Callable[[list[float]], float]) -> dict[str, float | None]:
+    present = [v for v in values if v is not None]
+    if not present:
+        return {"best": None, "min": None, "max": None}
+    return {"best": best(present), "min": min(present), "max": max(present)}
+
+
+def bench_serve(n_requests: int = 16, rate: float = 4.0, max_tokens: int = 32, system_tokens: int = 256,
+                rounds: int = 2, seed: int = 0, source: Path | None = None, device: str | None = None,
+                dtype: str = "float32", max_batch_size: int = 16,
+                minillm_configs: tuple[str, ...] = tuple(MINILLM_SERVE_CONFIGS),
+                transformers_modes: tuple[str, ...] = tuple(TRANSFORMERS_SERVE_MODES),
+                ready_timeout: float = 900.0, request_timeout: float = 600.0) -> dict[str, Any]:
+    """``python -m minillm serve`` under a seeded Poisson load of ``n_requests`` streaming chat
+    clients (``rate`` per second; a shared ``system_tokens``-token system prompt from the corpus
+    and a distinct question each; greedy, exactly ``max_tokens`` tokens each), once per
+    configuration of prefix caching and chunked prefill, and ``transformers serve`` on the same
+    weights (an HF folder: the default GGUF's conversion), in the same run.
+
+    Every server is a subprocess on a free port of 127.0.0.1, started once, warmed up (its first
+    requests compile or allocate what they need) and ended at the end, whatever happens. The
+    servers take turns: in each of ``rounds`` rounds every server gets the same load (the same
+    arrival times; a system prompt of that round's own, so no cache starts warm), so a busy
+    spell of a shared machine hits them alike. Per run: output tokens/s, TTFT / TPOT p50 and
+    p99, errors, and minillm's prefix-cache hit rate (from its ``/metrics`` counters).
+
+    transformers is run as its serving docs advise for concurrent clients, with continuous
+    batching (paged KV, its own prefix sharing), its KV cache sized to minillm's pool
+    (``max_batch_size`` x 1024 tokens; left to itself it takes 90% of free memory); and plainly,
+    one ``generate()`` after another. If it cannot start, the report says why and minillm's
+    configurations are still measured.
+    """
+    import signal
+    import sys
+    import tempfile
+    import threading
+    from contextlib import ExitStack
+
+    import torch
+
+    from minillm.model.loading import convert_gguf
+
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"bench serve runs float32 or bfloat16 (minillm serve's --weights), not {dtype}")
+    for name in minillm_configs:
+        if name not in MINILLM_SERVE_CONFIGS:
+            raise ValueError(f"unknown minillm configuration {name!r}: pick from {', '.join(MINILLM_SERVE_CONFIGS)}")
+    for name in transformers_modes:
+        if name not in TRANSFORMERS_SERVE_MODES:
+            raise ValueError(f"unknown transformers mode {name!r}: pick from {', '.join(TRANSFORMERS_SERVE_MODES)}")
+    if n_requests < 1 or rounds < 1 or max_tokens < 1 or system_tokens < 1 or rate <= 0:
+        raise ValueError("requests, rounds, max_tokens and system_tokens must be >= 1, and the rate > 0")
+    source = Path(source) if source is not None else None
+    folder = source if source is not None and source.is_dir() else convert_gguf(source or default_gguf_path())
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    tok = Tokenizer.from_file(folder / "tokenizer.json")
+    systems_text = serve_system_prompts(tok, system_tokens, rounds + 1)  # the last one is the warm-up's
+    arrivals = poisson_arrivals(n_requests, rate, seed)
+    kv_tokens = max_batch_size * 1024  # minillm's pool (Engine's default), and transformers' cache size
+    r: dict[str, Any] = {
+        "model": str(folder), "device": device, "dtype": dtype, "threads": torch.get_num_threads(),
+        "requests": n_requests, "rate": rate, "max_tokens": max_tokens, "system_tokens": system_tokens,
+        "rounds": rounds, "seed": seed, "max_batch_size": max_batch_size, "kv_tokens": kv_tokens,
+        "arrival_span_s": arrivals[-1], "systems": {}, "transformers_error": None,
+    }
+    plans: list[tuple[str, str, str, list[str]]] = []  # (name, label, dialect, argv)
+    for name in minillm_configs:
+        label, flags = MINILLM_SERVE_CONFIGS[name]
+        plans.append((f"minillm:{name}", label, "minillm",
+                      [sys.executable, "-m", "minillm", "serve", "--model", str(folder), "--device", device,
+                       "--weights", dtype, "--max-batch-size", str(max_batch_size), *flags]))
+    for name in transformers_modes:
+        argv = [sys.executable, "-m", "transformers.cli.transformers", "serve", str(folder), "--device", device,
+                "--dtype", dtype, "--host", "127.0.0.1", "--log-level", "warning"]
+        if name == "cb":
+            argv += ["--continuous-batching", "--cb-num-blocks", str(-(-kv_tokens // HF_CB_PAGE_TOKENS))]
+        plans.append((f"transformers:{name}", TRANSFORMERS_SERVE_MODES[name], "transformers", argv))
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt  # SIGTERM ends the benchmark as Ctrl-C does: through the cleanup below
+
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, interrupt) if in_main else None
+    try:
+        with tempfile.TemporaryDirectory(prefix="minillm-bench-serve-") as logs, ExitStack() as stack:
+            env = _serve_children_env()
+            servers: dict[str, tuple[ServerProcess, str]] = {}
+            warm_up = serve_conversations(systems_text[-1], 2)
+            for name, label, dialect, argv in plans:
+                port = free_port()
+                argv = [*argv, "--port", str(port)]
+                start = time.perf_counter()
+                print(f"bench serve: starting {label} ...", file=sys.stderr, flush=True)
+                server = ServerProcess(name, argv, port, Path(logs) / f"{name.replace(':', '-')}.log", env)
+                stack.callback(server.stop)
+                entry = r["systems"][name] = {"label": label, "command": " ".join(argv[1:]), "runs": []}
+                try:
+                    server.wait_ready(ready_timeout)
+                    rows = run_load(server.url, [serve_body(dialect, m, 4) for m in warm_up], [0.0, 0.0],
+                                    request_timeout)
+                    if any(row["error"] for row in rows):
+                        raise RuntimeError(f"{label}: the warm-up requests failed: {load_summary(rows)['first_errors']}; "
+                                           f"its log ends:\n{server.log_tail()}")
+                except RuntimeError as err:
+                    if dialect == "minillm":
+                        raise
+                    server.stop()
+                    r["transformers_error"] = (r["transformers_error"] or "") + f"{label}: {err}\n"
+                    entry["error"] = str(err)
+                    print(f"bench serve: {label} could not run: {err}", file=sys.stderr, flush=True)
+                    continue
+                entry["ready_s"] = time.perf_counter() - start
+                servers[name] = (server, dialect)
+            texts: dict[str, list[list[str]]] = {name: [] for name in servers}
+            for round_index in range(rounds):
+                conversations = serve_conversations(systems_text[round_index], n_requests)
+                for name, (server, dialect) in servers.items():
+                    before = _metrics(server.url) if dialect == "minillm" else {}
+                    rows = run_load(server.url, [serve_body(dialect, m, max_tokens) for m in conversations],
+                                    arrivals, request_timeout)
+                    summary = load_summary(rows)
+                    texts[name].append([row["text"] for row in rows])
+                    if dialect == "minillm":
+                        after = _metrics(server.url)
+                        hits, queries = (after.get(f"minillm_prefix_cache_{k}_tokens_total", 0.0)
+                                         - before.get(f"minillm_prefix_cache_{k}_tokens_total", 0.0)
+                                         for k in ("hit", "query"))
+                        summary["prompt_tokens"] = queries
+                        summary["prefix_hit_rate"] = hits / queries if queries else 0.0
+                    else:
+                        summary["prefix_hit_rate"] = None  # transformers serve reports no such count
+                    summary["round"] = round_index + 1
+                    r["systems"][name]["runs"].append(summary)
+                    print(f"bench serve: round {round_index + 1}, {r['systems'][name]['label']}: "
+                          f"{summary['tok_s']:.1f} tok/s, {summary['errors']} errors", file=sys.stderr, flush=True)
+            for name, (server, _) in servers.items():
+                r["systems"][name]["peak_rss_mb"] = server.peak_rss_mb()
+            # the same greedy answers from the same weights: both sides did the same work
+            for name in servers:
+                if name.startswith("transformers:") and "minillm:on" in servers:
+                    pairs = [(a, b) for ours, theirs in zip(texts["minillm:on"], texts[name])
+                             for a, b in zip(ours, theirs)]
+                    r["systems"][name]["same_answers_as_minillm"] = (sum(a == b for a, b in pairs), len(pairs))
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
+    for entry in r["systems"].values():
+        runs = entry["runs"]
+        if not runs:
+            continue
+        entry["best"] = {"tok_s": _range([run["tok_s"] for run in runs], max)}
+        for metric in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms"):
+            entry["best"][metric] = _range([run[metric] for run in runs], min)
+        entry["errors"] = sum(run["errors"] for run in runs)
+        entry["tokens_expected"] = n_requests * max_tokens * len(runs)
+        entry["tokens_returned"] = sum(run["tokens"] for run in runs)
+    r["ratios"] = serve_ratios(r["systems"])
+    return r
+
+
+def _metrics(url: str) -> dict[str, float]:
+    import httpx
+
+    return prometheus_values(httpx.get(f"{url}/metrics", timeout=30).text)
+
+
+def serve_ratios(systems: dict[str, Any]) -> list[dict[str, Any]]:
+    """minillm's default configuration against each transformers mode that ran: throughput
+    (minillm / transformers) and p99 TTFT (minillm / transformers), best of rounds against best
+    of rounds, and the range of the same ratio taken round by round (each round's runs were
+    neighbours in time)."""
+    ours = systems.get("minillm:on")
+    out: list[dict[str, Any]] = []
+    if not ours or not ours["runs"]:
+        return out
+    for name, theirs in systems.items():
+        if not name.startswith("transformers:") or not theirs["runs"]:
+            continue
+        row: dict[str, Any] = {"against": name, "label": theirs["label"]}
+        for metric, key in (("tok_s", "throughput"), ("ttft_p99_ms", "ttft_p99")):
+            a, b = ours["best"][metric]["best"], theirs["best"][metric]["best"]
+            row[key] = a / b if a is not None and b else None
+            per_round = [x[metric] / y[metric] for x, y in zip(ours["runs"], theirs["runs"])
+                         if x[metric] is not None and y[metric]]
+            row[f"{key}_per_round"] = (min(per_round), max(per_round)) if per_round else None
+        out.append(row)
+    return out
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_serve_report(r: dict[str, Any]) -> None:
+    print(f"bench serve: {r['requests']} streaming chat clients per run, Poisson arrivals at {r['rate']:g}/s "
+          f"(seed {r['seed']}; the last sent at {r['arrival_span_s']:.1f} s), a {r['system_tokens']}-token shared "
+          f"system prompt + a distinct question each, {r['max_tokens']} greedy tokens per answer; "
+          f"{r['rounds']} interleaved round(s); {r['device']}, {r['dtype']}, {r['threads']} threads; "
+          f"weights: {r['model']}; times in ms")
+    print(f"  {'server':<48}{'round':>6}{'tok/s':>8}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}"
+          f"{'TPOT p99':>10}{'prefix hits':>13}{'errors':>8}")
+    for entry in r["systems"].values():
+        if "error" in entry:
+            print(f"  {entry['label']:<48}  did not run (see below)")
+        for run in entry["runs"]:
+            hits = "n/a" if run["prefix_hit_rate"] is None else f"{100 * run['prefix_hit_rate']:.0f}%"
+            print(f"  {entry['label']:<48}{run['round']:>6}{run['tok_s']:>8.1f}{_fmt(run['ttft_p50_ms'], '.0f'):>10}"
+                  f"{_fmt(run['ttft_p99_ms'], '.0f'):>10}{_fmt(run['tpot_p50_ms'], '.1f'):>10}"
+                  f"{_fmt(run['tpot_p99_ms'], '.1f'):>10}{hits:>13}{run['errors']:>5}/{run['requests']}")
+            for error in run["first_errors"]:
+                print(f"      error: {error}")
+    print("  best of rounds (range over rounds):")
+    for entry in r["systems"].values():
+        if not entry["runs"]:
+            continue
+        b = entry["best"]
+
+        def cell(key: str, spec: str) -> str:
+            v = b[key]
+            return f"{_fmt(v['best'], spec)} ({_fmt(v['min'], spec)}-{_fmt(v['max'], spec)})"
+
+        short = "" if entry["tokens_returned"] == entry["tokens_expected"] else \
+            f"; returned {entry['tokens_returned']} of {entry['tokens_expected']} tokens"
+        if entry.get("peak_rss_mb"):
+            short += f", peak RSS {entry['peak_rss_mb']:.0f} MB"
+        if "same_answers_as_minillm" in entry:
+            same, total = entry["same_answers_as_minillm"]
+            short += f", {same}/{total} answers the same as minillm's"
+        print(f"  {entry['label']:<48} {cell('tok_s', '.1f')} tok/s, TTFT p99 {cell('ttft_p99_ms', '.0f')}, "
+              f"TPOT p50 {cell('tpot_p50_ms', '.1f')}{short}")
+    for row in r["ratios"]:
+        def ratio(key: str) -> str:
+            low_high = row[f"{key}_per_round"]
+            per_round = f"; per round {low_high[0]:.2f}-{low_high[1]:.2f}x" if low_high else ""
+            return f"{_fmt(row[key], '.2f')}x{per_round}"
+
+        print(f"minillm serve (defaults) vs {row['label']}: throughput {ratio('throughput')} (goal: >= 2x); "
+              f"p99 TTFT {ratio('ttft_p99')} (goal: <= 0.5x)")
+    late = max((run["late_max_ms"] for entry in r["systems"].values() for run in entry["runs"]), default=0.0)
+    if late > 50:
+        print(f"note: the client sent some requests up to {late:.0f} ms behind their schedule (a busy machine)")
+    if r["transformers_error"]:
+        print(f"transformers serve could not run here:\n{r['transformers_error'].rstrip()}")
