@@ -299,16 +299,16 @@ def main(argv: list[str] | None = None) -> int:
                        help="model and serve benchmarks: a .gguf file or HF checkpoint folder both libraries read (default: SmolLM2-135M-Instruct)")
     load = bench.add_argument_group("serve benchmark (a Poisson load of streaming chat clients against minillm serve "
                                     "and transformers serve, each a subprocess on loopback)")
-    load.add_argument("--requests", type=_positive, default=16, help="clients per run (default: 16)")
-    load.add_argument("--rate", type=float, default=4.0, help="mean arrivals per second (default: 4)")
+    load.add_argument("--requests", type=_positive, default=32, help="clients per run (default: 32)")
+    load.add_argument("--rate", type=float, default=8.0, help="mean arrivals per second (default: 8)")
     load.add_argument("--max-tokens", type=_positive, default=32, help="tokens generated per answer (default: 32)")
     load.add_argument("--system-tokens", type=_positive, default=256,
                       help="tokens of the shared system prompt (default: 256)")
     load.add_argument("--rounds", type=_positive, default=2, help="interleaved rounds over the servers (default: 2)")
     load.add_argument("--seed", type=int, default=0, help="seed of the arrival times (default: 0)")
-    load.add_argument("--max-batch-size", type=_positive, default=16,
+    load.add_argument("--max-batch-size", type=_positive, default=32,
                       help="minillm serve's --max-batch-size; both servers get a KV cache of 1024 tokens per row "
-                           "(default: 16)")
+                           "(default: 32)")
     load.add_argument("--minillm-configs", default="on,no-cache,no-chunk,off",
                       help="minillm serve configurations, comma-separated: on (prefix caching and chunked prefill, "
                            "the defaults), no-cache, no-chunk, off (default: all four)")

@@ -1221,9 +1221,9 @@ def _range(values: list[float | None], best: Callable[[list[float]], float]) -> 
     return {"best": best(present), "min": min(present), "max": max(present)}
 
 
-def bench_serve(n_requests: int = 16, rate: float = 4.0, max_tokens: int = 32, system_tokens: int = 256,
+def bench_serve(n_requests: int = 32, rate: float = 8.0, max_tokens: int = 32, system_tokens: int = 256,
                 rounds: int = 2, seed: int = 0, source: Path | None = None, device: str | None = None,
-                dtype: str = "float32", max_batch_size: int = 16,
+                dtype: str = "float32", max_batch_size: int = 32,
                 minillm_configs: tuple[str, ...] = tuple(MINILLM_SERVE_CONFIGS),
                 transformers_modes: tuple[str, ...] = tuple(TRANSFORMERS_SERVE_MODES),
                 ready_timeout: float = 900.0, request_timeout: float = 600.0) -> dict[str, Any]:
@@ -1238,7 +1238,8 @@ def bench_serve(n_requests: int = 16, rate: float = 4.0, max_tokens: int = 32, s
     servers take turns: in each of ``rounds`` rounds every server gets the same load (the same
     arrival times; a system prompt of that round's own, so no cache starts warm), so a busy
     spell of a shared machine hits them alike. Per run: output tokens/s, TTFT / TPOT p50 and
-    p99, errors, and minillm's prefix-cache hit rate (from its ``/metrics`` counters).
+    p99, errors, and minillm's prefix-cache hit rate (from its ``/metrics`` counters). The
+    default load is a workshop room: 32 clients arriving at 8 per second, 32 seats in the batch.
 
     transformers is run as its serving docs advise for concurrent clients, with continuous
     batching (paged KV, its own prefix sharing), its KV cache sized to minillm's pool
