@@ -188,37 +188,50 @@ def _state(block_size: int, tables: dict[int, list[int]], ref_counts: list[int],
     }
 
 
+def _trace(script: Script, run_op: Callable[..., tuple[str, ...]], state: Callable[[], dict[str, str]],
+           errors: tuple[type[BaseException], ...]) -> tuple[tuple[str, ...], ...]:
+    """Run the script's operations one by one (``run_op(name, *args)`` -> its result), recording
+    each result (or the error it raised) and the state after it."""
+    trace = []
+    for op in script.ops:
+        try:
+            result = run_op(*op)
+        except NotImplementedError:
+            raise
+        except errors as err:
+            result = (f"-> {type(err).__name__}",)
+        trace.append(_record(op, result, state(), script.fields))
+    return tuple(trace)
+
+
 def _run_package(script: Script) -> tuple[tuple[str, ...], ...]:
     """The script on minillm's ``PagedKVCache``: its manager's bookkeeping, its pool's contents."""
     cache = PagedKVCache(TINY, num_blocks=script.num_blocks, block_size=script.block_size)
     manager, pool = cache.manager, cache.k[0]  # pool [blocks + 1, 1 KV head, block_size, 2]
-    trace = []
-    for op in script.ops:
-        name, *args = op
-        try:
-            if name == "append":
-                seq, n = args
-                copies = manager.reserve([seq], [n])
-                cache.copy_blocks(copies)
-                step = cache.batch([seq], [n])
-                start = manager.lengths[seq]
-                tokens = torch.tensor([float(_token(seq, p)) for p in range(start, start + n)])
-                step.write(0, tokens.view(1, 1, n, 1).expand(1, 1, n, 2), tokens.view(1, 1, n, 1).expand(1, 1, n, 2))
-                step.advance(n)
-                result = _appended(list(zip(step.write_blocks.tolist(), step.write_offsets.tolist())), copies)
-            elif name == "free_block":
-                manager.allocator.free(*args)
-                result = ("-> ok",)
-            else:
-                getattr(manager, name)(*args)
-                result = ("-> ok",)
-        except (OutOfBlocksError, ValueError, KeyError) as err:
-            result = (f"-> {type(err).__name__}",)
+
+    def run_op(name: str, *args: Any) -> tuple[str, ...]:
+        if name == "append":
+            seq, n = args
+            copies = manager.reserve([seq], [n])
+            cache.copy_blocks(copies)
+            step = cache.batch([seq], [n])
+            start = manager.lengths[seq]
+            tokens = torch.tensor([float(_token(seq, p)) for p in range(start, start + n)])
+            step.write(0, tokens.view(1, 1, n, 1).expand(1, 1, n, 2), tokens.view(1, 1, n, 1).expand(1, 1, n, 2))
+            step.advance(n)
+            return _appended(list(zip(step.write_blocks.tolist(), step.write_offsets.tolist())), copies)
+        if name == "free_block":
+            manager.allocator.free(*args)
+        else:
+            getattr(manager, name)(*args)
+        return ("-> ok",)
+
+    def state() -> dict[str, str]:
         allocator = manager.allocator
-        state = _state(script.block_size, manager.block_tables, allocator.ref_counts, allocator.num_free,
-                       manager.lengths, lambda b, o: int(pool[b, 0, o, 0]))
-        trace.append(_record(op, result, state, script.fields))
-    return tuple(trace)
+        return _state(script.block_size, manager.block_tables, allocator.ref_counts, allocator.num_free,
+                      manager.lengths, lambda b, o: int(pool[b, 0, o, 0]))
+
+    return _trace(script, run_op, state, (OutOfBlocksError, ValueError, KeyError))
 
 
 def _run_learner(cls: type, script: Script) -> tuple[tuple[str, ...], ...]:
@@ -226,34 +239,30 @@ def _run_learner(cls: type, script: Script) -> tuple[tuple[str, ...], ...]:
     storage (one token id per slot) is this function's, as the pool is the cache's."""
     manager = cls(script.num_blocks, script.block_size)
     pool = torch.full((script.num_blocks, script.block_size), -1, dtype=torch.long)
-    trace = []
-    for op in script.ops:
-        name, *args = op
-        try:
-            if name == "append":
-                seq, n = args
-                slots, copies = [], []
-                for _ in range(n):
-                    position = manager.lengths[seq]
-                    block, offset, copy = manager.append_slot(seq)
-                    if copy is not None:
-                        src, dst = copy
-                        pool[dst] = pool[src]
-                        copies.append((src, dst))
-                    pool[block, offset] = _token(seq, position)
-                    slots.append((block, offset))
-                result = _appended(slots, copies)
-            else:
-                getattr(manager, name)(*args)
-                result = ("-> ok",)
-        except NotImplementedError:
-            raise
-        except Exception as err:  # the learner's code may fail in any way: the trace says how
-            result = (f"-> {type(err).__name__}",)
-        state = _state(script.block_size, manager.tables, manager.ref_counts, manager.num_free, manager.lengths,
-                       lambda b, o: int(pool[b, o]))
-        trace.append(_record(op, result, state, script.fields))
-    return tuple(trace)
+
+    def run_op(name: str, *args: Any) -> tuple[str, ...]:
+        if name == "append":
+            seq, n = args
+            slots, copies = [], []
+            for _ in range(n):
+                position = manager.lengths[seq]
+                block, offset, copy = manager.append_slot(seq)
+                if copy is not None:
+                    src, dst = copy
+                    pool[dst] = pool[src]
+                    copies.append((src, dst))
+                pool[block, offset] = _token(seq, position)
+                slots.append((block, offset))
+            return _appended(slots, copies)
+        getattr(manager, name)(*args)
+        return ("-> ok",)
+
+    def state() -> dict[str, str]:
+        return _state(script.block_size, manager.tables, manager.ref_counts, manager.num_free, manager.lengths,
+                      lambda b, o: int(pool[b, o]))
+
+    # the learner's code may fail in any way: the trace says how
+    return _trace(script, run_op, state, (Exception,))
 
 
 class _OnThePackage:
