@@ -73,6 +73,25 @@ def test_an_untouched_stub_says_not_attempted(capsys, check):
     assert "⏳" in capsys.readouterr().out
 
 
+def _keys_from_the_package(tokens, block_size):
+    return BlockManager(1, block_size).prefix_keys(tokens)
+
+
+def _step_from_the_package(decoding, prefilling, budget):
+    sizes = prefill_chunk_sizes([n for _, n in prefilling], budget)
+    return {name: 1 for name in decoding} | {name: n for (name, _), n in zip(prefilling, sizes)}
+
+
+@pytest.mark.parametrize("check, shortcut, name", [
+    (nb12.check_prefix_keys, _keys_from_the_package, "prefix_keys"),
+    (nb12.check_token_budget_step, _step_from_the_package, "prefill_chunk_sizes"),
+])
+def test_calling_the_package_instead_of_writing_it_is_refused(capsys, check, shortcut, name):
+    assert check(shortcut) is False
+    out = capsys.readouterr().out
+    assert "❌" in out and f"`{name}`" in out
+
+
 def test_the_cases_come_from_the_package():
     m = BlockManager(4, 4, prefix_caching=True)
     tokens = [5, 6, 7, 8, 9, 10, 11, 12, 13]

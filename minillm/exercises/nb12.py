@@ -10,11 +10,42 @@ a wrong answer of that kind is named.
 from __future__ import annotations
 
 import random
+import types
 from collections.abc import Callable, Sequence
 
 from minillm.cache import BlockManager
 from minillm.engine import prefill_chunk_sizes
-from minillm.exercises import Mistake, check
+from minillm.exercises import Mistake, Rule, check
+
+# --- a rule for both: write the mechanism, do not call the package's ---------------------------------
+
+
+def forbid_names(forbidden: dict[str, str]) -> Rule:
+    """A rule: the learner's function (and the functions defined inside it) names none of
+    ``forbidden`` (name -> why not): ``BlockManager(...).prefix_keys(...)`` or a call of
+    ``prefill_chunk_sizes`` gives the right answer without writing it. These are plain Python
+    functions, so the names are read from the function's code rather than recorded as torch calls."""
+
+    def rule(fn: Callable[..., object], args: tuple[object, ...]) -> str | None:
+        names: set[str] = set()
+        codes = [getattr(fn, "__code__", None)]
+        while codes:
+            code = codes.pop()
+            if code is None:
+                continue
+            names.update(code.co_names)
+            codes += [const for const in code.co_consts if isinstance(const, types.CodeType)]
+        for name, why in forbidden.items():
+            if name in names:
+                return f"it uses `{name}`: {why}"
+        return None
+
+    return rule
+
+
+NO_PACKAGE_KEYS = forbid_names({"prefix_keys": "that is the package's answer; chain the hashes yourself."})
+NO_PACKAGE_SPLIT = forbid_names({"prefill_chunk_sizes": "that is the package's answer; split the budget yourself."})
+
 
 # --- exercise 1: the block hash chain ----------------------------------------------------------------
 
@@ -123,7 +154,8 @@ KEY_HINTS = [
 def check_prefix_keys(fn: Callable[[list[int], int], list[int]], hint: int = 0) -> bool:
     """``fn(tokens, block_size)`` -> one key per *full* block, ``key_i = hash((key_{i-1}, tuple(block_i)))``
     with ``key_{-1} = None``: the package's ``BlockManager.prefix_keys``."""
-    return check("prefix_keys", fn, _key_cases(), hint=hint, hints=KEY_HINTS, mistakes=KEY_MISTAKES)
+    return check("prefix_keys", fn, _key_cases(), hint=hint, hints=KEY_HINTS, mistakes=KEY_MISTAKES,
+                 rules=[NO_PACKAGE_KEYS])
 
 
 # --- exercise 2: one step of a token-budget scheduler -----------------------------------------------------
@@ -247,4 +279,5 @@ def check_token_budget_step(fn: Callable[[list[str], list[tuple[str, int]], int 
                             hint: int = 0) -> bool:
     """``fn(decoding, prefilling, budget)`` -> ``{request: tokens this step}``: 1 for each running request, and the
     prompts' chunks in arrival order within ``budget`` (None: no limit), 0 for a prompt that waits."""
-    return check("token_budget_step", fn, _step_cases(), hint=hint, hints=STEP_HINTS, mistakes=STEP_MISTAKES)
+    return check("token_budget_step", fn, _step_cases(), hint=hint, hints=STEP_HINTS, mistakes=STEP_MISTAKES,
+                 rules=[NO_PACKAGE_SPLIT])
