@@ -9,17 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
-import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 
 from minillm import Engine, load_model
 from minillm.bench import (
@@ -34,8 +30,8 @@ from minillm.bench import (
     serve_ratios,
     serve_system_prompts,
 )
-from minillm.serve import create_app
 
+from serving import serving
 from test_model_units import _tiny_hf_checkpoint, tiny_tokenizer  # noqa: F401  (a fixture)
 
 
@@ -120,36 +116,13 @@ def test_prometheus_text_is_read_by_name_and_labels():
 
 
 # --------------------------------------------------------------------------- the client, on a tiny server
-@contextmanager
-def _serving(engine: Engine) -> Iterator[str]:
-    sock = socket.create_server(("127.0.0.1", 0))
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, "tiny", warm_up=False), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"{url}/health").status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not come up"
-        time.sleep(0.05)
-    try:
-        yield url
-    finally:
-        server.should_exit = True
-        thread.join(30)
-
-
 @pytest.fixture(scope="module")
 def tiny_url(tmp_path_factory, tiny_tokenizer) -> Iterator[str]:  # noqa: F811
     folder = _tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny", tiny_tokenizer, "llama",
                                  max_position_embeddings=512, vocab_size=300)
     model, tok = load_model(folder, device="cpu")
-    with _serving(Engine(model, tok, compile=False, kv_cache_tokens=4096, prefix_caching=True)) as url:
-        yield url
+    with serving(Engine(model, tok, compile=False, kv_cache_tokens=4096, prefix_caching=True), "tiny") as served:
+        yield served.url
 
 
 def _metrics(url: str) -> dict[str, float]:

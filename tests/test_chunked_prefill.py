@@ -13,7 +13,7 @@ import pytest
 import minillm
 from minillm.sampling import SamplingParams
 
-from test_prefix_cache import tiny64  # noqa: F401  (a fixture)
+from test_prefix_cache import _counting_prefill, tiny64  # noqa: F401  (a fixture)
 from test_model_units import tiny_tokenizer  # noqa: F401  (a fixture)
 
 
@@ -41,14 +41,7 @@ def test_chunked_prefill_gives_the_same_answers_and_frees_everything(tiny64, chu
 def test_a_long_prompt_never_takes_a_step_from_the_running_requests(tiny64):  # noqa: F811
     model, tok = tiny64
     engine = minillm.Engine(model, tok, block_size=4, compile=False, prefill_chunk_tokens=6)
-    computed: list[int] = []
-    prefill = engine.runner.prefill
-
-    def counting(seq_ids, token_lists):
-        computed.append(sum(len(t) for t in token_lists))
-        return prefill(seq_ids, token_lists)
-
-    engine.runner.prefill = counting
+    computed = _counting_prefill(engine)
     short = [engine.add_request(p, SamplingParams(max_new_tokens=40)) for p in _prompts(tok)[:1] * 3]
     while any(not r.output_ids for r in short):
         engine.step()
