@@ -501,14 +501,19 @@ class Engine:
     def _reserve_or_preempt(self) -> None:
         """Reserve one token for every running row, preempting the newest until it fits.
 
-        Each step therefore decodes at least one request, so the engine always makes progress.
+        The newest are the prompts still being prefilled (chunked prefill): each holds the blocks
+        of its whole prompt from admission on, for as many steps as its chunks take, while the
+        running rows keep growing; so they go back to the queue first, newest first. A single
+        running unit left alone always fits (``_encode`` refused any request larger than the
+        pool), so each step decodes at least one request and the engine always makes progress.
         """
         while True:
             seq_ids = [s for unit in self.running for s in _seq_ids(unit)]
-            if self.manager.can_reserve(seq_ids, [1] * len(seq_ids)) or len(self.running) == 1:
+            alone = len(self.running) == 1 and not self.prefilling
+            if self.manager.can_reserve(seq_ids, [1] * len(seq_ids)) or alone:
                 self.cache.copy_blocks(self.manager.reserve(seq_ids, [1] * len(seq_ids)))
                 return
-            victim = self.running.pop()  # the most recent arrival
+            victim = self.prefilling.pop().unit if self.prefilling else self.running.pop()  # the most recent arrival
             self._free(victim)
             if isinstance(victim, BeamSearch):
                 victim.restart()
