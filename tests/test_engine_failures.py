@@ -254,3 +254,21 @@ def test_a_failed_step_aborts_the_requests_it_was_running_and_keeps_the_queue(ti
     while engine.has_unfinished_requests():
         engine.step()
     assert len(queued.output_ids) == 6 and _all_free(engine)
+
+
+@pytest.mark.parametrize("chunk", [None, 2])
+@pytest.mark.parametrize("error", [Boom, KeyboardInterrupt])
+def test_a_sampler_failure_right_after_a_prefill_aborts_the_request(tiny, monkeypatch, chunk, error):
+    # The prompts whose prefill just completed sample their first token before joining the running
+    # batch: if that fails, step() must still find them to abort. Otherwise a request queued with
+    # add_request (the server's way) is in no list, never finishes and keeps its blocks; generate()
+    # hid this, as its own loop aborts everything it queued on the way out.
+    engine = _engine(tiny, prefill_chunk_tokens=chunk)
+    request = engine.add_request([5, 6, 7, 8, 9], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    with monkeypatch.context() as patch:
+        patch.setattr(engine_module, "sample_batch", lambda *args: (_ for _ in ()).throw(error()))
+        with pytest.raises(error):
+            while engine.has_unfinished_requests():
+                engine.step()
+    assert request.finish_reason == "abort" and not engine.has_unfinished_requests() and _all_free(engine)
+    assert len(engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=3, ignore_eos=True))[0].token_ids) == 3

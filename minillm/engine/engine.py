@@ -445,7 +445,6 @@ class Engine:
             prefill.tokens = prefill.tokens[len(chunk):]
             if not prefill.tokens:
                 done.append((row, prefill.unit))
-        self.prefilling = [p for p in self.prefilling if p.tokens]
         for prefill, _ in chunks:
             self._cache_full_blocks(prefill.seq_id, prefill.unit)
         fresh = [(row, u) for row, u in done if isinstance(u, Request) and not u.output_ids]
@@ -453,7 +452,11 @@ class Engine:
         for row, unit in done:
             if isinstance(unit, BeamSearch):
                 unit.advance(logits[row : row + 1], self.manager)
-        self.running += [u for _, u in done if not self._retire_if_done(u)]
+        # The finished prompts leave `prefilling` only now, as they join the running batch: had the
+        # sampler failed above (an error, Ctrl-C), step() must still find them there to abort them.
+        joined = [u for _, u in done if not self._retire_if_done(u)]
+        self.prefilling = [p for p in self.prefilling if p.tokens]
+        self.running += joined
         return events
 
     def _decode(self) -> list[tuple[Request, str]]:
