@@ -66,6 +66,21 @@ def test_a_request_larger_than_the_pool_is_refused_up_front_and_the_engine_keeps
     assert _all_free(engine)
 
 
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_a_request_that_fits_the_pool_alone_is_served_on_an_empty_pool(tiny, prefix_caching):
+    # The up-front check lets in any request whose prompt and new tokens fit the whole pool; the
+    # scheduler must then serve it once the pool is empty, even with no spare block left over for
+    # "the next decode step" (nothing else runs, so nothing could be preempted for it). It used
+    # to be admitted never and aborted with OutOfBlocksError. 2 blocks of 4 tokens:
+    engine = _engine(tiny, kv_cache_tokens=8, block_size=4, prefix_caching=prefix_caching)
+    for prompt, params in [([5, 6, 7, 8, 9], SamplingParams(max_new_tokens=3, ignore_eos=True)),
+                           ([5, 6, 7, 8], SamplingParams(max_new_tokens=4, ignore_eos=True)),
+                           ([5, 6, 7], SamplingParams(max_new_tokens=1, num_beams=2))]:
+        completions = engine.generate([prompt, prompt], params)  # one after the other: each fills the pool
+        assert all(len(c.token_ids) == params.max_new_tokens for c in completions)
+        assert _all_free(engine)
+
+
 class Boom(Exception):
     pass
 

@@ -382,7 +382,9 @@ class Engine:
 
     def _admit(self) -> list[Unit]:
         """Pop waiting units while the batch has rows and the pool has blocks for their prompts,
-        keeping one spare block per row so the next decode step does not force a preemption.
+        keeping one spare block per row so the next decode step does not force a preemption. An
+        empty batch takes the first unit whatever its size: alone it has the whole pool, which
+        is enough (``_encode`` refused larger requests), and nobody is there to preempt.
 
         With prefix caching, a unit whose next uncached block is being computed right now by a
         prompt in flight (admitted earlier, or just before it in this step) waits, keeping its
@@ -402,8 +404,8 @@ class Engine:
             unit_blocks = self.manager.blocks_for_tokens(_prefill_len(unit))
             if rows + unit_rows > self.max_batch_size and rows:  # an empty batch takes even an oversized unit
                 break
-            if blocks + unit_blocks + rows + unit_rows > self.manager.allocator.num_free:
-                break
+            if blocks + unit_blocks + rows + unit_rows > self.manager.allocator.num_free and rows:
+                break  # (an empty batch has the whole pool, and _encode let in only units that fit it)
             waiting.popleft()
             if self.manager.prefix_caching:
                 uncached = self.manager.uncached_keys(_prefill_tokens(unit))
