@@ -119,3 +119,17 @@ def test_a_running_request_that_outgrows_the_pool_preempts_a_prompt_being_prefil
     assert engine.preemptions >= 1
     assert engine.manager.allocator.num_free == engine.manager.allocator.num_blocks
 
+
+def test_a_beam_search_being_prefilled_counts_all_its_beams_against_max_batch_size(tiny64):  # noqa: F811
+    # While its prompt is prefilled a beam search holds one sequence, but it decodes num_beams rows
+    # from its first step on: a request admitted meanwhile must not push the batch past the limit.
+    model, tok = tiny64
+    engine = minillm.Engine(model, tok, block_size=4, compile=False, max_batch_size=2, prefill_chunk_tokens=4)
+    search = engine._beam_search(_prompts(tok)[1], SamplingParams(max_new_tokens=4, num_beams=2))
+    engine.waiting.append(search)
+    request = engine.add_request(_prompts(tok)[0], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+        assert sum(len(u.beams) if u is search else 1 for u in engine.running) <= 2
+    assert search.done and len(request.output_ids) == 6
+    assert engine.manager.allocator.num_free == engine.manager.allocator.num_blocks

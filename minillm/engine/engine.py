@@ -396,11 +396,11 @@ class Engine:
         admitted: list[Unit] = []
         held: list[Unit] = []  # waiting for a prefix in flight; back to the front of the queue
         in_flight = {key for prefill in self.prefilling for key in prefill.pending_keys}
-        rows = sum(_rows(u) for u in self.running) + sum(_rows(p.unit) for p in self.prefilling)
+        rows = sum(_rows(u) for u in self.running) + sum(_seats(p.unit) for p in self.prefilling)
         blocks = 0
         while waiting:
             unit = waiting[0]
-            unit_rows = unit.params.num_beams if isinstance(unit, BeamSearch) else 1
+            unit_rows = _seats(unit)
             unit_blocks = self.manager.blocks_for_tokens(_prefill_len(unit))
             if rows + unit_rows > self.max_batch_size and rows:  # an empty batch takes even an oversized unit
                 break
@@ -582,6 +582,12 @@ def _is_done(unit: Unit) -> bool:
 
 def _rows(unit: Unit) -> int:
     return len(unit.beams) if isinstance(unit, BeamSearch) else 1
+
+
+def _seats(unit: Unit) -> int:
+    """The rows a unit not yet decoding will take in the batch: a beam search prefills one
+    sequence, its prompt, but decodes ``num_beams`` rows from its first step on."""
+    return unit.params.num_beams if isinstance(unit, BeamSearch) else 1
 
 
 def _seq_ids(unit: Unit) -> list[int]:
