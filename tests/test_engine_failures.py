@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 import minillm
 from minillm import Engine, SamplingParams, load_model
 from minillm.engine import engine as engine_module
+from minillm.engine.beam import BeamSearch
 
 from test_model_units import _tiny_hf_checkpoint, tiny_tokenizer  # noqa: F401  (a fixture)
 
@@ -287,3 +288,18 @@ def test_a_sampler_failure_right_after_a_prefill_aborts_the_request(tiny, monkey
                 engine.step()
     assert request.finish_reason == "abort" and not engine.has_unfinished_requests() and _all_free(engine)
     assert len(engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=3, ignore_eos=True))[0].token_ids) == 3
+
+
+def test_a_failure_after_a_request_finished_in_the_same_prefill_still_frees_its_blocks(tiny, monkeypatch):
+    # One packed prefill completes two prompts: a request that finishes with its first token, and a
+    # beam search whose first step then fails (Ctrl-C). The request has a finish reason already, so
+    # aborting it is a no-op, but it had not been retired yet: its blocks must come back all the same.
+    engine = _engine(tiny)
+    request = engine.add_request([5, 6, 7, 8, 9], SamplingParams(max_new_tokens=1))
+    engine.waiting.append(engine._beam_search([9, 8, 7], SamplingParams(max_new_tokens=3, num_beams=2)))
+    with monkeypatch.context() as patch:
+        patch.setattr(BeamSearch, "advance", lambda *args: (_ for _ in ()).throw(KeyboardInterrupt()))
+        with pytest.raises(KeyboardInterrupt):
+            engine.step()
+    assert request.finish_reason == "length"
+    assert not engine.has_unfinished_requests() and _all_free(engine)

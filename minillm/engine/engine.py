@@ -362,6 +362,7 @@ class Engine:
         except BaseException:
             for unit in admitted + [p.unit for p in self.prefilling] + self.running:
                 self.abort(unit)
+                self._forget(unit)  # (also one that finished in this very step, before it could retire)
             raise
         return events
 
