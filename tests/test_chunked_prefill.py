@@ -90,3 +90,39 @@ def test_requests_being_prefilled_count_against_max_batch_size(tiny64):  # noqa:
         assert len(engine.running) + len(engine.prefilling) <= 2
     assert all(r.finished for r in requests)
     assert engine.manager.allocator.num_free == engine.manager.allocator.num_blocks
+
+
+def test_a_running_request_that_outgrows_the_pool_preempts_a_prompt_being_prefilled(tiny64):  # noqa: F811
+    # A prompt prefilled chunk by chunk holds the blocks of its whole prompt for many steps, while
+    # the running request next to it keeps growing. When the pool runs out, the prompt (the newest
+    # admission) must go back to the queue: failing the step would abort both requests. Found by a
+    # random request stream: 7 blocks of 1 token, a 1-token chunk budget; both are admitted in the
+    # first step (1 + 4 prompt blocks and a spare block per row), the first prefilled at once.
+    model, tok = tiny64
+    engine = minillm.Engine(model, tok, block_size=1, kv_cache_tokens=7, max_batch_size=2, compile=False,
+                            prefill_chunk_tokens=1)
+    alone = minillm.Engine(model, tok, block_size=1, compile=False)
+    params = [SamplingParams(max_new_tokens=5, ignore_eos=True), SamplingParams(max_new_tokens=1)]
+    prompts = [[7], [1, 1, 1, 1]]  # 6 blocks and 5 blocks at most: each fits the pool alone
+    running, prefilling = (engine.add_request(p, ps) for p, ps in zip(prompts, params))
+    while engine.has_unfinished_requests():
+        engine.step()
+    for request, prompt, ps in zip((running, prefilling), prompts, params):
+        assert request.output_ids == alone.generate([prompt], ps)[0].token_ids
+    assert engine.preemptions >= 1
+    assert engine.manager.allocator.num_free == engine.manager.allocator.num_blocks
+
+
+def test_a_beam_search_being_prefilled_counts_all_its_beams_against_max_batch_size(tiny64):  # noqa: F811
+    # While its prompt is prefilled a beam search holds one sequence, but it decodes num_beams rows
+    # from its first step on: a request admitted meanwhile must not push the batch past the limit.
+    model, tok = tiny64
+    engine = minillm.Engine(model, tok, block_size=4, compile=False, max_batch_size=2, prefill_chunk_tokens=4)
+    search = engine._beam_search(_prompts(tok)[1], SamplingParams(max_new_tokens=4, num_beams=2))
+    engine.waiting.append(search)
+    request = engine.add_request(_prompts(tok)[0], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+        assert sum(len(u.beams) if u is search else 1 for u in engine.running) <= 2
+    assert search.done and len(request.output_ids) == 6
+    assert engine.manager.allocator.num_free == engine.manager.allocator.num_blocks

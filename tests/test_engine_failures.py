@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 import minillm
 from minillm import Engine, SamplingParams, load_model
 from minillm.engine import engine as engine_module
+from minillm.engine.beam import BeamSearch
 
 from test_model_units import _tiny_hf_checkpoint, tiny_tokenizer  # noqa: F401  (a fixture)
 
@@ -64,6 +65,21 @@ def test_a_request_larger_than_the_pool_is_refused_up_front_and_the_engine_keeps
     assert _all_free(engine)
     assert len(engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=5, ignore_eos=True))[0].token_ids) == 5
     assert _all_free(engine)
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_a_request_that_fits_the_pool_alone_is_served_on_an_empty_pool(tiny, prefix_caching):
+    # The up-front check lets in any request whose prompt and new tokens fit the whole pool; the
+    # scheduler must then serve it once the pool is empty, even with no spare block left over for
+    # "the next decode step" (nothing else runs, so nothing could be preempted for it). It used
+    # to be admitted never and aborted with OutOfBlocksError. 2 blocks of 4 tokens:
+    engine = _engine(tiny, kv_cache_tokens=8, block_size=4, prefix_caching=prefix_caching)
+    for prompt, params in [([5, 6, 7, 8, 9], SamplingParams(max_new_tokens=3, ignore_eos=True)),
+                           ([5, 6, 7, 8], SamplingParams(max_new_tokens=4, ignore_eos=True)),
+                           ([5, 6, 7], SamplingParams(max_new_tokens=1, num_beams=2))]:
+        completions = engine.generate([prompt, prompt], params)  # one after the other: each fills the pool
+        assert all(len(c.token_ids) == params.max_new_tokens for c in completions)
+        assert _all_free(engine)
 
 
 class Boom(Exception):
@@ -254,3 +270,36 @@ def test_a_failed_step_aborts_the_requests_it_was_running_and_keeps_the_queue(ti
     while engine.has_unfinished_requests():
         engine.step()
     assert len(queued.output_ids) == 6 and _all_free(engine)
+
+
+@pytest.mark.parametrize("chunk", [None, 2])
+@pytest.mark.parametrize("error", [Boom, KeyboardInterrupt])
+def test_a_sampler_failure_right_after_a_prefill_aborts_the_request(tiny, monkeypatch, chunk, error):
+    # The prompts whose prefill just completed sample their first token before joining the running
+    # batch: if that fails, step() must still find them to abort. Otherwise a request queued with
+    # add_request (the server's way) is in no list, never finishes and keeps its blocks; generate()
+    # hid this, as its own loop aborts everything it queued on the way out.
+    engine = _engine(tiny, prefill_chunk_tokens=chunk)
+    request = engine.add_request([5, 6, 7, 8, 9], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    with monkeypatch.context() as patch:
+        patch.setattr(engine_module, "sample_batch", lambda *args: (_ for _ in ()).throw(error()))
+        with pytest.raises(error):
+            while engine.has_unfinished_requests():
+                engine.step()
+    assert request.finish_reason == "abort" and not engine.has_unfinished_requests() and _all_free(engine)
+    assert len(engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=3, ignore_eos=True))[0].token_ids) == 3
+
+
+def test_a_failure_after_a_request_finished_in_the_same_prefill_still_frees_its_blocks(tiny, monkeypatch):
+    # One packed prefill completes two prompts: a request that finishes with its first token, and a
+    # beam search whose first step then fails (Ctrl-C). The request has a finish reason already, so
+    # aborting it is a no-op, but it had not been retired yet: its blocks must come back all the same.
+    engine = _engine(tiny)
+    request = engine.add_request([5, 6, 7, 8, 9], SamplingParams(max_new_tokens=1))
+    engine.waiting.append(engine._beam_search([9, 8, 7], SamplingParams(max_new_tokens=3, num_beams=2)))
+    with monkeypatch.context() as patch:
+        patch.setattr(BeamSearch, "advance", lambda *args: (_ for _ in ()).throw(KeyboardInterrupt()))
+        with pytest.raises(KeyboardInterrupt):
+            engine.step()
+    assert request.finish_reason == "length"
+    assert not engine.has_unfinished_requests() and _all_free(engine)

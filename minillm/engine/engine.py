@@ -362,6 +362,7 @@ class Engine:
         except BaseException:
             for unit in admitted + [p.unit for p in self.prefilling] + self.running:
                 self.abort(unit)
+                self._forget(unit)  # (also one that finished in this very step, before it could retire)
             raise
         return events
 
@@ -382,7 +383,9 @@ class Engine:
 
     def _admit(self) -> list[Unit]:
         """Pop waiting units while the batch has rows and the pool has blocks for their prompts,
-        keeping one spare block per row so the next decode step does not force a preemption.
+        keeping one spare block per row so the next decode step does not force a preemption. An
+        empty batch takes the first unit whatever its size: alone it has the whole pool, which
+        is enough (``_encode`` refused larger requests), and nobody is there to preempt.
 
         With prefix caching, a unit whose next uncached block is being computed right now by a
         prompt in flight (admitted earlier, or just before it in this step) waits, keeping its
@@ -394,16 +397,16 @@ class Engine:
         admitted: list[Unit] = []
         held: list[Unit] = []  # waiting for a prefix in flight; back to the front of the queue
         in_flight = {key for prefill in self.prefilling for key in prefill.pending_keys}
-        rows = sum(_rows(u) for u in self.running) + sum(_rows(p.unit) for p in self.prefilling)
+        rows = sum(_rows(u) for u in self.running) + sum(_seats(p.unit) for p in self.prefilling)
         blocks = 0
         while waiting:
             unit = waiting[0]
-            unit_rows = unit.params.num_beams if isinstance(unit, BeamSearch) else 1
+            unit_rows = _seats(unit)
             unit_blocks = self.manager.blocks_for_tokens(_prefill_len(unit))
             if rows + unit_rows > self.max_batch_size and rows:  # an empty batch takes even an oversized unit
                 break
-            if blocks + unit_blocks + rows + unit_rows > self.manager.allocator.num_free:
-                break
+            if blocks + unit_blocks + rows + unit_rows > self.manager.allocator.num_free and rows:
+                break  # (an empty batch has the whole pool, and _encode let in only units that fit it)
             waiting.popleft()
             if self.manager.prefix_caching:
                 uncached = self.manager.uncached_keys(_prefill_tokens(unit))
@@ -445,7 +448,6 @@ class Engine:
             prefill.tokens = prefill.tokens[len(chunk):]
             if not prefill.tokens:
                 done.append((row, prefill.unit))
-        self.prefilling = [p for p in self.prefilling if p.tokens]
         for prefill, _ in chunks:
             self._cache_full_blocks(prefill.seq_id, prefill.unit)
         fresh = [(row, u) for row, u in done if isinstance(u, Request) and not u.output_ids]
@@ -453,7 +455,11 @@ class Engine:
         for row, unit in done:
             if isinstance(unit, BeamSearch):
                 unit.advance(logits[row : row + 1], self.manager)
-        self.running += [u for _, u in done if not self._retire_if_done(u)]
+        # The finished prompts leave `prefilling` only now, as they join the running batch: had the
+        # sampler failed above (an error, Ctrl-C), step() must still find them there to abort them.
+        joined = [u for _, u in done if not self._retire_if_done(u)]
+        self.prefilling = [p for p in self.prefilling if p.tokens]
+        self.running += joined
         return events
 
     def _decode(self) -> list[tuple[Request, str]]:
@@ -501,14 +507,19 @@ class Engine:
     def _reserve_or_preempt(self) -> None:
         """Reserve one token for every running row, preempting the newest until it fits.
 
-        Each step therefore decodes at least one request, so the engine always makes progress.
+        The newest are the prompts still being prefilled (chunked prefill): each holds the blocks
+        of its whole prompt from admission on, for as many steps as its chunks take, while the
+        running rows keep growing; so they go back to the queue first, newest first. A single
+        running unit left alone always fits (``_encode`` refused any request larger than the
+        pool), so each step decodes at least one request and the engine always makes progress.
         """
         while True:
             seq_ids = [s for unit in self.running for s in _seq_ids(unit)]
-            if self.manager.can_reserve(seq_ids, [1] * len(seq_ids)) or len(self.running) == 1:
+            alone = len(self.running) == 1 and not self.prefilling
+            if self.manager.can_reserve(seq_ids, [1] * len(seq_ids)) or alone:
                 self.cache.copy_blocks(self.manager.reserve(seq_ids, [1] * len(seq_ids)))
                 return
-            victim = self.running.pop()  # the most recent arrival
+            victim = self.prefilling.pop().unit if self.prefilling else self.running.pop()  # the most recent arrival
             self._free(victim)
             if isinstance(victim, BeamSearch):
                 victim.restart()
@@ -572,6 +583,12 @@ def _is_done(unit: Unit) -> bool:
 
 def _rows(unit: Unit) -> int:
     return len(unit.beams) if isinstance(unit, BeamSearch) else 1
+
+
+def _seats(unit: Unit) -> int:
+    """The rows a unit not yet decoding will take in the batch: a beam search prefills one
+    sequence, its prompt, but decodes ``num_beams`` rows from its first step on."""
+    return unit.params.num_beams if isinstance(unit, BeamSearch) else 1
 
 
 def _seq_ids(unit: Unit) -> list[int]:
