@@ -10,6 +10,7 @@ importlib *where* they are.
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -24,6 +25,12 @@ def _package_dir(module: str, pip_name: str) -> Path:
             "(or `make setup`, which does it for you)"
         )
     return Path(spec.origin).parent
+
+
+def cache_dir() -> Path:
+    """Where minillm keeps what it builds once (converted models, compiled kernels):
+    ``$MINILLM_CACHE`` (if set and not empty) or ``~/.cache/minillm``."""
+    return Path(os.environ.get("MINILLM_CACHE") or Path.home() / ".cache" / "minillm")
 
 
 def default_gguf_path() -> Path:

@@ -27,7 +27,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from minillm.assets import default_gguf_path
+from minillm.assets import cache_dir, default_gguf_path
 from minillm.errors import FileFormatError
 from minillm.gguf_io import gguf_fields, open_gguf
 from minillm.model.config import GGUF_NAMES, HF_NAMES, ModelConfig
@@ -53,11 +53,6 @@ class TensorInfo(NamedTuple):
     shape: tuple[int, ...]
     file: Path
     stored_as: str  # its name in the file (``blk.0.attn_q.weight``, ``model.norm.weight``)
-
-
-def cache_dir() -> Path:
-    """Where converted models live: ``$MINILLM_CACHE`` (if set and not empty) or ``~/.cache/minillm``."""
-    return Path(os.environ.get("MINILLM_CACHE") or Path.home() / ".cache" / "minillm")
 
 
 def load_model(

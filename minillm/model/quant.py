@@ -36,6 +36,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from minillm.model import kernels
+
 BLOCK_SIZE = 32
 FORMATS = ("q8_0", "q4_0", "q4_1")
 BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}  # bytes per block of 32 weights, as in a GGUF file
@@ -185,12 +187,16 @@ class QuantizedLinear(torch.nn.Module):
         return dequantize(self.fmt, self.qs, self.d, self.m, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu" and kernels.available():
+            y = kernels.linear(self.fmt, x.reshape(-1, self.in_features).float().contiguous(), self.qs, self.d, self.m)
+            return self._add_bias(y.to(x.dtype)).view(*x.shape[:-1], -1)
         if torch.compiler.is_compiling() and x.device.type == "cpu" and x.shape[:-1].numel() == 1:
             y = self._matvec(x.reshape(-1, BLOCK_SIZE).float()).to(x.dtype)
-            if self.bias is not None:
-                y = y + self.bias
-            return y.view(*x.shape[:-1], -1)
+            return self._add_bias(y).view(*x.shape[:-1], -1)
         return F.linear(x, self.dequantize(x.dtype), self.bias)
+
+    def _add_bias(self, y: torch.Tensor) -> torch.Tensor:
+        return y if self.bias is None else y + self.bias
 
     def _matvec(self, x: torch.Tensor) -> torch.Tensor:
         """One row ``x`` [blocks, 32] times the packed matrix: a reduction over (blocks, 32) that the

@@ -1,0 +1,125 @@
+"""Hand-written CPU kernels for the packed weight formats, compiled on this machine at first use.
+
+``quant.cpp`` multiplies by Q8_0 / Q4_0 / Q4_1 blocks without expanding them (notebook 11
+explains why PyTorch's own kernels could not: they spend more instructions turning 4 bits into
+a float than the bytes save). It is built the way ``torch.compile`` builds its C++: on this
+machine, for this CPU (``-march=native``), once — the library is kept in
+``$MINILLM_CACHE/kernels`` under a name that hashes the source, the compiler flags, the torch
+version and the CPU, so a change to any of them builds afresh. Nothing is downloaded and no
+prebuilt binary is trusted.
+
+When the build cannot happen (no C++ compiler, a compiler error, ``MINILLM_KERNELS=0``) the
+reason is kept in ``why_unavailable()`` and ``QuantizedLinear`` uses its PyTorch formulation
+instead: slower, the same numbers up to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from minillm.assets import cache_dir
+
+SOURCE = Path(__file__).with_name("quant.cpp")
+BUILD_SECONDS = 300  # a build is ~10 s on 2 cores; a compiler that hangs must not hang the caller
+
+_loaded: Optional[bool] = None  # None: not tried yet in this process
+_why = ""
+
+
+def available() -> bool:
+    """Whether the packed-format kernels are loaded (building them the first time it is asked)."""
+    global _loaded, _why
+    if _loaded is None:
+        try:
+            library = _build()
+            torch.ops.load_library(str(library))
+            _register_shapes()
+            _loaded = True
+        except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+            _loaded, _why = False, str(err)
+    return _loaded
+
+
+def why_unavailable() -> str:
+    """Why ``available()`` is False ("" when it is True or was not asked yet)."""
+    return _why
+
+
+def linear(fmt: str, x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: Optional[torch.Tensor]) -> torch.Tensor:
+    """``x`` [rows, in] float32 times the blocks' matrix transposed: [rows, out]."""
+    if fmt == "q8_0":
+        return torch.ops.minillm.q8_0_linear(x, qs, d)
+    return torch.ops.minillm.q4_linear(x, qs, d, m if fmt == "q4_1" else None)
+
+
+def _register_shapes() -> None:
+    """What the ops return, for ``torch.compile`` to trace them without running them."""
+
+    def fake(x: torch.Tensor, qs: torch.Tensor, *blocks: Optional[torch.Tensor]) -> torch.Tensor:
+        return x.new_empty(x.shape[0], qs.shape[0])
+
+    torch.library.register_fake("minillm::q8_0_linear", fake)
+    torch.library.register_fake("minillm::q4_linear", fake)
+
+
+def _compiler() -> str:
+    for name in (os.environ.get("CXX", ""), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return name
+    raise RuntimeError("no C++ compiler found (g++, c++ or clang++): the packed-weight kernels cannot be built")
+
+
+def _command(compiler: str, output: Path) -> list[str]:
+    from torch.utils import cpp_extension  # the include and library folders of the installed torch
+
+    includes = [f"-I{folder}" for folder in cpp_extension.include_paths()]
+    libraries = cpp_extension.library_paths()
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return [compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20", "-w",
+            f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, str(SOURCE), "-o", str(output),
+            *[f"-L{folder}" for folder in libraries], *[f"-Wl,-rpath,{folder}" for folder in libraries],
+            "-lc10", "-ltorch_cpu"]
+
+
+def _cpu() -> str:
+    """What ``-march=native`` compiles for: the CPU's model and feature flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    lines = [line for line in text.splitlines() if line.startswith(("model name", "flags", "Features"))]
+    return "\n".join(sorted(set(lines)))
+
+
+def _build() -> Path:
+    if os.environ.get("MINILLM_KERNELS", "1") == "0":
+        raise RuntimeError("MINILLM_KERNELS=0: the packed-weight kernels are switched off")
+    if sys.platform == "win32":
+        raise RuntimeError("the packed-weight kernels are built with a Unix compiler; not on Windows")
+    compiler = _compiler()
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(_command(compiler, Path("x"))), torch.__version__,
+                                    sys.version, _cpu()]).encode()).hexdigest()[:16]
+    folder = cache_dir() / "kernels"
+    library = folder / f"quant-{key}.so"
+    if library.is_file():
+        return library
+    folder.mkdir(parents=True, exist_ok=True)
+    # Build under a temporary name and rename: two processes building at once both finish
+    # with a whole library, and none ever loads a half-written one.
+    with tempfile.TemporaryDirectory(dir=folder) as scratch:
+        partial = Path(scratch) / library.name
+        done = subprocess.run(_command(compiler, partial), capture_output=True, text=True, timeout=BUILD_SECONDS)
+        if done.returncode != 0:
+            raise RuntimeError(f"building {SOURCE.name} with {compiler} failed:\n{done.stderr[-2000:]}")
+        os.replace(partial, library)
+    return library
