@@ -31,12 +31,14 @@ def demo() -> None:
 
     from minillm.engine import Engine
     from minillm.model import load_model, validate
+    from minillm.model.loading import default_weights
     from minillm.sampling import SamplingParams
 
     start = time.perf_counter()
-    model, tok = load_model()  # the first run converts the GGUF once (a progress bar on stderr)
+    weights = default_weights()  # the file's own 4-bit blocks on a CPU (notebook 11), else float32
+    model, tok = load_model(weights=weights)  # the first run converts the GGUF once (a progress bar on stderr)
     where = "CUDA" if model.device.type == "cuda" else "CPU (no CUDA device found; the same code runs on a GPU)"
-    print(f"SmolLM2-135M-Instruct loaded on {where} in {time.perf_counter() - start:.1f} s")
+    print(f"SmolLM2-135M-Instruct loaded on {where}, {weights} weights, in {time.perf_counter() - start:.1f} s")
     report = validate(model, tok)
     print(f"validate(): {'all three checks ok' if report.ok else report}")
 
@@ -92,10 +94,12 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 def _load(args: argparse.Namespace) -> tuple[Transformer, Tokenizer]:
     from minillm.model import load_model
+    from minillm.model.loading import default_weights
 
     start = time.perf_counter()
-    model, tok = load_model(args.model, device=args.device, weights=args.weights)
-    print(f"minillm: loaded {args.model or 'SmolLM2-135M-Instruct'} on {model.device} ({args.weights or 'float32'} "
+    weights = args.weights or default_weights(args.model, args.device)
+    model, tok = load_model(args.model, device=args.device, weights=weights)
+    print(f"minillm: loaded {args.model or 'SmolLM2-135M-Instruct'} on {model.device} ({weights} "
           f"weights) in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return model, tok
 
@@ -241,9 +245,9 @@ def main(argv: list[str] | None = None) -> int:
         sub.add_argument("--model", default=None, help="a .gguf file or HF checkpoint folder (default: SmolLM2-135M-Instruct)")
         sub.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
         sub.add_argument("--weights", default=None, choices=WEIGHTS,
-                         help="how the matrices are stored (notebook 11): float32 (the default: the fastest format "
-                              "that keeps float32's quality on this CPU, per `bench quant`), bfloat16, native "
-                              "(a GGUF's own Q4_1/Q8_0 blocks), or q8_0/q4_0/q4_1 quantized at load")
+                         help="how the matrices are stored (notebook 11): native (a GGUF's own Q4_1/Q8_0 blocks, "
+                              "run packed: the default for such a file on a CPU, float32's quality from 5.5x fewer "
+                              "bytes), float32 (the default otherwise), bfloat16, or q8_0/q4_0/q4_1 quantized at load")
         sub.add_argument("--max-new-tokens", type=int, default=64)
         sub.add_argument("--temperature", type=float, default=0.0, help="0 decodes greedily (the default)")
         sub.add_argument("--top-k", type=int, default=0)

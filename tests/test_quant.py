@@ -306,3 +306,17 @@ def test_the_cli_offers_load_models_weight_formats_and_runs_one(capsys):
                      "--prompt", "The capital of France is"]) == 0
     out = capsys.readouterr()
     assert out.out.startswith(" Paris") and "(native weights)" in out.err
+
+
+def test_the_default_format_is_the_files_own_blocks_where_they_run_packed(tmp_path, pristine, tiny_tokenizer):  # noqa: F811
+    from minillm.model.loading import default_weights
+
+    assert default_weights(pristine) == "float32"  # a checkpoint of floats
+    q5 = write_gguf(tmp_path / "q5.gguf", pristine, tiny_tokenizer,
+                    types={"blk.0.ffn_up.weight": gguf.GGMLQuantizationType.Q5_0})
+    assert default_weights(q5) == "float32"  # a block type that cannot run packed
+    q4 = write_gguf(tmp_path / "q4.gguf", pristine, tiny_tokenizer,
+                    types=lambda name: gguf.GGMLQuantizationType.Q4_1 if name.startswith("blk.") and "norm" not in name
+                    else None)
+    assert default_weights(q4) == ("native" if kernels.available() else "float32")
+    assert default_weights(None, "cpu") == ("native" if kernels.available() else "float32")  # SmolLM2's Q4_1 file
