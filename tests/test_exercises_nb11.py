@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from minillm.exercises import nb11
-from minillm.model.quant import dequantize, quantize, to_gguf_blocks
+from minillm.model import kernels
+from minillm.model.quant import QuantizedLinear, dequantize, quantize, to_gguf_blocks
 
 # --- the right answers, written as a learner would ---------------------------------------------------
 
@@ -46,6 +47,19 @@ def _matvec_dequantize_then_matmul(x, qs, d):
     return (qs.float() * d.float()[..., None]).reshape(qs.shape[0], -1) @ x
 
 
+def _offset_right(x, qs, d, m):
+    xb = x.reshape(-1, 32)
+    q = torch.cat([qs & 15, qs >> 4], dim=-1).float()
+    return (d.float() * (q * xb).sum(-1) + m.float() * xb.sum(-1)).sum(-1)
+
+
+def _offset_by_einsum(x, qs, d, m):
+    # the same sums, spelled with einsum and the block sums of x named once
+    xb = x.reshape(-1, 32)
+    q = torch.cat([qs & 15, qs >> 4], dim=-1).float()
+    return torch.einsum("ob,obj,bj->o", d.float(), q, xb) + m.float() @ xb.sum(-1)
+
+
 def _quantize_q4_1_right(w):
     blocks = w.reshape(w.shape[0], -1, 32)
     low = blocks.amin(-1, keepdim=True)
@@ -65,9 +79,12 @@ def _quantize_q4_1_right(w):
         (nb11.check_q8_0_matvec, _matvec_right),
         (nb11.check_q8_0_matvec, _matvec_scale_x_first),
         (nb11.check_q8_0_matvec, _matvec_dequantize_then_matmul),
+        (nb11.check_q4_1_offset_matvec, _offset_right),
+        (nb11.check_q4_1_offset_matvec, _offset_by_einsum),
         (nb11.check_quantize_q4_1, _quantize_q4_1_right),
     ],
-    ids=["unpack", "unpack-floordiv", "pack", "pack-plus", "matvec", "matvec-scale-x", "matvec-matmul", "q4_1"],
+    ids=["unpack", "unpack-floordiv", "pack", "pack-plus", "matvec", "matvec-scale-x", "matvec-matmul", "offset",
+         "offset-einsum", "q4_1"],
 )
 def test_right_answers_pass(capsys, check, right):
     assert check(right) is True
@@ -75,7 +92,9 @@ def test_right_answers_pass(capsys, check, right):
 
 
 @pytest.mark.parametrize(
-    "check", [nb11.check_unpack_nibbles, nb11.check_pack_nibbles, nb11.check_q8_0_matvec, nb11.check_quantize_q4_1]
+    "check",
+    [nb11.check_unpack_nibbles, nb11.check_pack_nibbles, nb11.check_q8_0_matvec, nb11.check_q4_1_offset_matvec,
+     nb11.check_quantize_q4_1],
 )
 def test_an_untouched_stub_says_not_attempted(capsys, check):
     def stub(*args):
@@ -190,6 +209,88 @@ def test_matvec_through_f_linear_breaks_the_rule(capsys):
     assert "the values are right, but it calls `linear`" in out
 
 
+def _offset_forgotten(x, qs, d, m):
+    q = torch.cat([qs & 15, qs >> 4], dim=-1).float()
+    return (d.float() * (q * x.reshape(-1, 32)).sum(-1)).sum(-1)
+
+
+def _offset_whole_row(x, qs, d, m):
+    q = torch.cat([qs & 15, qs >> 4], dim=-1).float()
+    return (d.float() * (q * x.reshape(-1, 32)).sum(-1)).sum(-1) + m.float().sum(-1) * x.sum()
+
+
+def _offset_high_first(x, qs, d, m):
+    xb = x.reshape(-1, 32)
+    q = torch.cat([qs >> 4, qs & 15], dim=-1).float()
+    return (d.float() * (q * xb).sum(-1) + m.float() * xb.sum(-1)).sum(-1)
+
+
+@pytest.mark.parametrize(
+    "wrong, says",
+    [
+        (_offset_forgotten, "the offset is missing"),
+        (_offset_whole_row, "the sum of the whole x"),
+        (_offset_high_first, "swapped"),
+    ],
+    ids=["no-offset", "whole-row", "swapped"],
+)
+def test_offset_mistakes_are_named(capsys, wrong, says):
+    assert nb11.check_q4_1_offset_matvec(wrong) is False
+    assert says in capsys.readouterr().out
+
+
+def _offset_through_weights(x, qs, d, m):
+    # right values, but through the dequantized matrix: one d·q + m per weight
+    q = torch.cat([qs & 15, qs >> 4], dim=-1).float()
+    w = d.float()[..., None] * q + m.float()[..., None]
+    return (w * x.reshape(-1, 32)).sum((-1, -2))
+
+
+def _offset_through_package(x, qs, d, m):
+    return dequantize("q4_1", qs, d, m) @ x
+
+
+def _offset_through_linear(x, qs, d, m):
+    return F.linear(x, dequantize("q4_1", qs, d, m))
+
+
+@pytest.mark.parametrize(
+    "through, says",
+    [
+        (_offset_through_weights, "builds the dequantized weights"),
+        (_offset_through_package, "builds the dequantized weights"),
+        (_offset_through_linear, "it calls `linear`"),
+    ],
+    ids=["by-hand", "dequantize", "f-linear"],
+)
+def test_offset_through_a_weight_matrix_breaks_the_rules(capsys, through, says):
+    assert nb11.check_q4_1_offset_matvec(through) is False
+    out = capsys.readouterr().out
+    assert "the values are right, but" in out and says in out
+
+
+def test_offset_through_the_package_kernel_breaks_the_rule(capsys):
+    if not kernels.available():
+        pytest.skip(f"the packed-weight kernels are not built here: {kernels.why_unavailable()}")
+
+    def through_kernel(x, qs, d, m):
+        return QuantizedLinear("q4_1", qs, d, m)(x[None])[0]
+
+    assert nb11.check_q4_1_offset_matvec(through_kernel) is False
+    assert "it calls `q4_linear`" in capsys.readouterr().out
+
+
+def test_the_offset_expected_answers_are_the_float64_product_and_the_kernel_meets_them():
+    # the expected values are the exact product, rounded once; the package's kernel is within the check's tolerance
+    for (x, qs, d, m), want in nb11._offset_cases():
+        exact = dequantize("q4_1", qs, d, m, torch.float64) @ x.double()
+        assert torch.equal(want, exact.float())
+        assert want.abs().max() < 10  # the tolerance is set for outputs of a few units
+        if kernels.available():
+            got = kernels.linear("q4_1", x[None].contiguous(), qs, d, m)[0]
+            assert (got.double() - exact).abs().max() <= nb11.OFFSET_ATOL
+
+
 def _q4_1_torch_round(w):
     blocks = w.reshape(w.shape[0], -1, 32)
     low = blocks.amin(-1, keepdim=True)
@@ -235,9 +336,10 @@ def test_pack_and_unpack_expected_answers_are_inverses():
         (nb11.check_unpack_nibbles, nb11.UNPACK_MISTAKES),
         (nb11.check_pack_nibbles, nb11.PACK_MISTAKES),
         (nb11.check_q8_0_matvec, nb11.MATVEC_MISTAKES),
+        (nb11.check_q4_1_offset_matvec, nb11.OFFSET_MISTAKES),
         (nb11.check_quantize_q4_1, nb11.Q4_1_MISTAKES),
     ],
-    ids=["unpack_nibbles", "pack_nibbles", "q8_0_matvec", "quantize_q4_1"],
+    ids=["unpack_nibbles", "pack_nibbles", "q8_0_matvec", "q4_1_offset_matvec", "quantize_q4_1"],
 )
 def test_every_listed_mistake_is_named_by_its_own_message(capsys, check, mistakes):
     for mistake in mistakes:

@@ -1,6 +1,7 @@
 """Exercises of notebook 11 (quantization): unpack and pack 4-bit nibbles in ggml's order, a Q8_0
-matrix-vector product computed straight from the blocks, and (optional) a Q4_1 quantizer that
-writes llama.cpp's bytes.
+matrix-vector product computed straight from the blocks, the Q4_1 product with the offset trick
+(d·Σq·x + m·Σx per block, as the package's kernel computes it), and (optional) a Q4_1 quantizer
+that writes llama.cpp's bytes.
 
 The expected answers come from the package (``minillm.model.quant``: its quantizers are bit-exact
 with ``gguf.quants``, itself bit-exact with llama.cpp) and, for the product, from
@@ -15,7 +16,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from minillm.exercises import Mistake, check, forbid_calls
+from minillm.exercises import Mistake, check, forbid_calls, forbid_copies
 from minillm.model.quant import pack_nibbles, dequantize, quantize, unpack_nibbles
 
 # --- exercise 1 (the core): unpack nibbles ---------------------------------------------------------
@@ -229,7 +230,81 @@ def check_q8_0_matvec(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], t
                  rules=[NO_LINEAR], atol=MATVEC_ATOL)
 
 
-# --- exercise 4 (optional): quantize to Q4_1, as llama.cpp does -------------------------------------
+# --- exercise 4: the Q4_1 product with the offset trick ---------------------------------------------
+
+OFFSET_ATOL = 1e-4  # |y| < 10 in every case: float32 sums are ~1e-6 off
+
+
+def _offset_cases() -> list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
+    """(x [in], qs uint8 [out, blocks, 16], d, m float16 [out, blocks]) -> the float64 product on the dequantized
+    weights, rounded once to float32 (the exact answer, as near as float32 can hold it)."""
+    g = torch.Generator().manual_seed(15)
+    cases = []
+    # one block; a few blocks, lifted off zero so every minimum m is far from 0; SmolLM2's up_proj rows [64, 576]
+    for out, n_in, shift in [(20, 32, 0.0), (8, 128, 0.3), (64, 576, 0.0)]:
+        blocks = quantize(torch.randn(out, n_in, generator=g) * 0.05 + shift, "q4_1")
+        x = torch.randn(n_in, generator=g)
+        exact = dequantize("q4_1", blocks["qs"], blocks["d"], blocks["m"], torch.float64) @ x.double()
+        cases.append(((x, blocks["qs"], blocks["d"], blocks["m"]), exact.float()))
+    return cases
+
+
+def _offset_with(codes: Callable[[torch.Tensor], torch.Tensor] = unpack_nibbles, offset: str = "block",
+                 ) -> Callable[..., torch.Tensor]:
+    """An offset product that differs from the right one in one place (the wrong variants)."""
+
+    def q4_1_offset_matvec(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        xb = _blocks_of(x)
+        y = (d.float() * (codes(qs).float() * xb).sum(-1)).sum(-1)
+        if offset == "block":
+            return y + (m.float() * xb.sum(-1)).sum(-1)
+        if offset == "row":
+            return y + (m.float() * x.sum()).sum(-1)
+        if offset == "scaled":
+            return y + (d.float() * m.float() * xb.sum(-1)).sum(-1)
+        return y
+
+    return q4_1_offset_matvec
+
+
+OFFSET_MISTAKES = [
+    Mistake(_offset_with(offset="none"), "the offset is missing: w = d·q + m, so each block adds m_b · Σ_j x_j to "
+                                         "d_b · Σ_j q_j x_j."),
+    Mistake(_offset_with(offset="row"), "each minimum met the sum of the whole x: m_b belongs to the 32 weights of "
+                                        "block b only, so it multiplies Σ x over that block, x.reshape(-1, 32).sum(-1)."),
+    Mistake(_offset_with(offset="scaled"), "the offset was multiplied by d too: in w = d·q + m the minimum m stands "
+                                           "alone, so the offset is m_b · Σ_j x_j, not d_b · m_b · Σ_j x_j."),
+    Mistake(_offset_with(codes=_unpack_swapped), "high and low nibbles are swapped: the *low* nibble (byte & 15) is "
+                                                 "weight j, the high nibble (byte >> 4) weight j + 16."),
+    Mistake(_offset_with(codes=_unpack_adjacent), "you unpacked adjacent pairs (byte j -> weights 2j, 2j+1): byte j "
+                                                  "holds weight j (low nibble) and weight j + 16 (high nibble)."),
+]
+
+OFFSET_HINTS = [
+    "Inside block b, Σ_j x_j (d_b q_j + m_b) = d_b · Σ_j q_j x_j + m_b · Σ_j x_j: the second sum is the same for "
+    "every output row.",
+    "xb = x.reshape(-1, 32); q = torch.cat([qs & 15, qs >> 4], dim=-1).float() (weights 0..15, then 16..31); both "
+    "sums are over the last axis, then add up the blocks.",
+    "return (d.float() * (q * xb).sum(-1) + m.float() * xb.sum(-1)).sum(-1)",
+]
+
+NO_WEIGHTS = forbid_copies({3: "m"}, "that builds the dequantized weights d·q + m, one per weight. Keep m per block: "
+                                     "add m_b · Σ_j x_j once per block (the offset).")
+NO_PACKAGE_PRODUCT = forbid_calls({"linear": "F.linear on a dequantized matrix is the reference you are checked "
+                                             "against; write the product from the blocks.",
+                                   "q4_linear": "that is the package's kernel, the very thing you are writing; "
+                                                "write the product from the blocks."})
+
+
+def check_q4_1_offset_matvec(fn: Callable[..., torch.Tensor], hint: int = 0) -> bool:
+    """``fn(x float32 [in], qs uint8 [out, blocks, 16], d float16 [out, blocks], m float16 [out, blocks])`` ->
+    float32 ``[out]``, the Q4_1 product within float32 rounding (``OFFSET_ATOL``) of the float64 one, computed as
+    d·Σq·x + m·Σx per block: no dequantized weight matrix, no ``F.linear``, not the package's kernel."""
+    return check("q4_1_offset_matvec", fn, _offset_cases(), hint=hint, hints=OFFSET_HINTS, mistakes=OFFSET_MISTAKES,
+                 rules=[NO_PACKAGE_PRODUCT, NO_WEIGHTS], atol=OFFSET_ATOL)
+
+
+# --- exercise 5 (optional): quantize to Q4_1, as llama.cpp does -------------------------------------
 
 # min 0, max 15·2⁻⁴: d = 2⁻⁴ exactly, so (x − min)·(1/d) = 16·x lands exactly on k + ½ for these weights
 Q4_1_TIES = torch.tensor([0.0, 15.0, 0.5, 2.5, 4.5, 6.5, 1.5, 3.5, 8.5, 10.5, 12.5, 14.5] + [7.0] * 20) / 16
