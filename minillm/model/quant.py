@@ -17,12 +17,15 @@ nibble and weight ``j + 16`` in its high nibble. Here a quantized matrix is kept
 ``qs`` [out, blocks, 32] int8 (Q8_0) or [out, blocks, 16] uint8 (Q4), and ``d`` (and ``m``)
 [out, blocks] float16 — the file's bytes, rearranged, not expanded.
 
-``QuantizedLinear`` multiplies by such a matrix. Decoding one token (one row, compiled on a
-CPU) it is written as a reduction over the packed integers — ``(q.float() * d * x).sum()`` —
-which ``torch.compile`` turns into one loop that reads each packed byte once and dequantizes
-it in registers; the float matrix never exists. Everything else (prefill, batched steps,
-eager calls, other devices) dequantizes into a float matrix and calls ``F.linear``: a matrix
-product reuses each weight for many rows, so its cost is compute, not bytes.
+``QuantizedLinear`` multiplies by such a matrix. On a CPU it calls the packed kernel of
+``minillm/model/kernels`` (C++, built on the machine at first use): it reads each packed byte
+once, unpacks 16 weights per instruction and multiplies in float32, so the float matrix never
+exists and the result is ``F.linear(x, dequantize(W))`` up to float32 rounding. PyTorch's own
+formulation stays as the fallback where the kernel cannot be built: compiled with one row, a
+reduction over the packed integers — ``(q.float() * d * x).sum()`` — that ``torch.compile``
+turns into one loop over the bytes (``_matvec``; notebook 11 measures it compute-bound, slower
+per weight than float32); everything else (prefill, batches, eager calls, other devices)
+dequantizes into a float matrix and calls ``F.linear``.
 
 The quantizers reproduce ggml's reference code bit for bit (checked against the ``gguf``
 package), including its rounding: half away from zero for Q8_0, ``trunc(x + 0.5)`` for Q4.

@@ -107,8 +107,9 @@ def _build() -> Path:
     if sys.platform == "win32":
         raise RuntimeError("the packed-weight kernels are built with a Unix compiler; not on Windows")
     compiler = _compiler()
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(_command(compiler, Path("x"))), torch.__version__,
-                                    sys.version, _cpu()]).encode()).hexdigest()[:16]
+    flags = [part for part in _command(compiler, Path("x")) if part != str(SOURCE)]  # the text counts, not where it is
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(flags), torch.__version__, sys.version,
+                                    _cpu()]).encode()).hexdigest()[:16]
     folder = cache_dir() / "kernels"
     library = folder / f"quant-{key}.so"
     if library.is_file():
