@@ -90,7 +90,7 @@ inline void unpack(const Matrix& w, int64_t o, int64_t b, __m512& lo, __m512& hi
 }
 
 // Ask for block b of row o (the next tile's) before it is needed: the rows of a matrix are
-// short streams (576 bytes for SmolLM2's 4-bit rows), too short for the CPU's own prefetcher
+// short streams (288 bytes for most of SmolLM2's 4-bit rows, 768 for down_proj), too short for the CPU's own prefetcher
 // to run ahead of, and every weight comes from memory once per token.
 inline void prefetch(const Matrix& w, int64_t o, int64_t b) {
   if (o >= w.out) return;
