@@ -136,6 +136,13 @@ def test_the_packed_kernel_stays_within_float32_rounding_of_the_exact_product(fm
     assert _within_rounding(got, x, dense)
 
 
+def test_a_quantized_layer_names_its_sizes_when_the_input_does_not_fit():
+    layer = QuantizedLinear.from_float(torch.randn(8, 64), "q4_1")
+    with pytest.raises(ValueError, match=r"a Q4_1 layer of 64 inputs and 8 outputs got an input of shape \[2, 3, 32\]"):
+        layer(torch.randn(2, 3, 32))
+    assert layer(torch.randn(2, 3, 64, dtype=torch.bfloat16)).dtype == torch.bfloat16  # activations keep their dtype
+
+
 @needs_kernels
 def test_the_packed_kernel_refuses_what_it_cannot_read_naming_the_sizes():
     blocks = quantize(torch.randn(8, 64), "q4_1")

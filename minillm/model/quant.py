@@ -190,6 +190,9 @@ class QuantizedLinear(torch.nn.Module):
         return dequantize(self.fmt, self.qs, self.d, self.m, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"a {self.fmt.upper()} layer of {self.in_features} inputs and {self.out_features} outputs "
+                             f"got an input of shape {list(x.shape)}")
         if x.device.type == "cpu" and kernels.available():
             y = kernels.linear(self.fmt, x.reshape(-1, self.in_features).float().contiguous(), self.qs, self.d, self.m)
             return self._add_bias(y.to(x.dtype)).view(*x.shape[:-1], -1)
