@@ -178,20 +178,6 @@ def _matvec_integer_dot(x, qs, d):
     return ((qs * xq).sum(-1).float() * d.float() * dx).sum(-1)
 
 
-@pytest.mark.parametrize(
-    "wrong, says",
-    [
-        (_matvec_without_scale, "the scales are missing"),
-        (_matvec_row_scale, "one scale per row"),
-        (_matvec_half_weights, "rounded to float16"),
-    ],
-    ids=["no-scale", "row-scale", "float16"],
-)
-def test_matvec_mistakes_are_named(capsys, wrong, says):
-    assert nb11.check_q8_0_matvec(wrong) is False
-    assert says in capsys.readouterr().out
-
-
 def test_int8_products_fail_and_the_listed_overflow_really_wraps(capsys):
     # a learner's own int8 scheme rounds x differently from the listed one, so it is not named, but it fails
     assert nb11.check_q8_0_matvec(_matvec_integer_dot) is False
@@ -226,16 +212,19 @@ def _offset_high_first(x, qs, d, m):
 
 
 @pytest.mark.parametrize(
-    "wrong, says",
+    "check, wrong, says",
     [
-        (_offset_forgotten, "the offset is missing"),
-        (_offset_whole_row, "the sum of the whole x"),
-        (_offset_high_first, "swapped"),
+        (nb11.check_q8_0_matvec, _matvec_without_scale, "the scales are missing"),
+        (nb11.check_q8_0_matvec, _matvec_row_scale, "one scale per row"),
+        (nb11.check_q8_0_matvec, _matvec_half_weights, "rounded to float16"),
+        (nb11.check_q4_1_offset_matvec, _offset_forgotten, "the offset is missing"),
+        (nb11.check_q4_1_offset_matvec, _offset_whole_row, "the sum of the whole x"),
+        (nb11.check_q4_1_offset_matvec, _offset_high_first, "swapped"),
     ],
-    ids=["no-offset", "whole-row", "swapped"],
+    ids=["q8_0-no-scale", "q8_0-row-scale", "q8_0-float16", "offset-none", "offset-whole-row", "offset-swapped"],
 )
-def test_offset_mistakes_are_named(capsys, wrong, says):
-    assert nb11.check_q4_1_offset_matvec(wrong) is False
+def test_product_mistakes_are_named(capsys, check, wrong, says):
+    assert check(wrong) is False
     assert says in capsys.readouterr().out
 
 
