@@ -77,8 +77,9 @@ def unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
 
 
-# GGUF tensor types kept as blocks by ``load_model(weights="native")``
+# GGUF tensor types kept as blocks by ``load_model(weights="native")``, and the float types it leaves as they are
 NATIVE_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
+FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 
 
 def read_gguf_blocks(path: Path, tensors: dict[str, GGUFTensor],
@@ -95,7 +96,7 @@ def read_gguf_blocks(path: Path, tensors: dict[str, GGUFTensor],
     blocks = {}
     for name, tensor in tensors.items():
         type_name = tensor.tensor_type.name
-        if type_name in ("F32", "F16", "BF16", "F64"):
+        if type_name in FLOAT_TYPES:
             continue
         if type_name not in NATIVE_TYPES:
             raise FileFormatError(

@@ -30,9 +30,9 @@ from safetensors.torch import save_file
 from minillm.assets import cache_dir, default_gguf_path
 from minillm.errors import FileFormatError
 from minillm.gguf_io import gguf_fields, open_gguf
-from minillm.model.config import GGUF_NAMES, HF_NAMES, ModelConfig
-from minillm.model.gguf_weights import NATIVE_TYPES, gguf_tensors, read_gguf_blocks, read_gguf_state_dict
 from minillm.model import kernels
+from minillm.model.config import GGUF_NAMES, HF_NAMES, ModelConfig
+from minillm.model.gguf_weights import FLOAT_TYPES, NATIVE_TYPES, gguf_tensors, read_gguf_blocks, read_gguf_state_dict
 from minillm.model.llama import Transformer
 from minillm.model.quant import FORMATS, quantize_model, use_blocks
 from minillm.model.rope import RotaryEmbedding
@@ -125,17 +125,16 @@ def default_weights(source: str | os.PathLike[str] | None = None, device: str | 
     Everything else loads float32: a checkpoint of floats, other block types, a GPU (where the
     packed product dequantizes first; see notebook 11).
     """
-    if _device(device).type != "cpu" or not kernels.available():
-        return "float32"
     path = default_gguf_path() if source is None else Path(source)
-    if path.suffix != ".gguf" or not path.is_file():
+    if _device(device).type != "cpu" or path.suffix != ".gguf" or not path.is_file():
         return "float32"
     try:
         types = {tensor.tensor_type.name for tensor in open_gguf(path).tensors}
     except FileFormatError:
         return "float32"  # load_model reports what is wrong with the file
-    packed = types - {"F32", "F16", "BF16", "F64"}
-    return "native" if packed and packed <= set(NATIVE_TYPES) else "float32"
+    packed = types - set(FLOAT_TYPES)
+    # asked last: the first time, it builds the kernels (~10 s), which only a packed file needs
+    return "native" if packed and packed <= set(NATIVE_TYPES) and kernels.available() else "float32"
 
 
 def _weights_dtype(weights: str | None, dtype: torch.dtype, dtype_given: bool) -> torch.dtype:
