@@ -175,11 +175,11 @@ print(kernels.available(), same, kernels.why_unavailable().splitlines()[0] if ke
 def test_without_the_kernels_quantized_layers_fall_back_to_dequantizing_and_say_why(tmp_path):
     off = _python(PROBE, MINILLM_KERNELS="0")
     assert off.returncode == 0, off.stderr
-    assert off.stdout.split(maxsplit=2) == ["False", "True", "MINILLM_KERNELS=0: the packed-weight kernels are switched off\n"]
+    assert off.stdout.split(maxsplit=2) == ["False", "True", "MINILLM_KERNELS=0: the hand-written kernels are switched off\n"]
     # a compiler that fails (here: `false`): the build error is kept, nothing half-built is left behind
     broken = _python(PROBE, CXX="false", MINILLM_CACHE=str(tmp_path))
     assert broken.returncode == 0, broken.stderr
-    assert broken.stdout.split(maxsplit=2)[:2] == ["False", "True"] and "building quant.cpp with false failed" in broken.stdout
+    assert broken.stdout.split(maxsplit=2)[:2] == ["False", "True"] and "building quant.cpp, paged_attention.cpp, linear.cpp with false failed" in broken.stdout
     assert list((tmp_path / "kernels").iterdir()) == []
 
 

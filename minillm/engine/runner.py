@@ -18,8 +18,10 @@ step itself reads nothing back from the device.
 What compiling buys on the CPU (measured on the course machine, notebook 10 shows the
 profile): a decode step of the eager model is a few thousand small ops, each paying Python
 and dispatch overhead, and MKL's one-row matrix products stream the weights on one core.
-``torch.compile`` fuses each layer into a handful of loops, turns the one-row products into
-all-core reductions (``layers.Linear``), and fuses the block-table reads into attention.
+``torch.compile`` fuses each layer into a handful of loops and turns the one-row products into
+all-core reductions (``layers.Linear``); attention through the block tables and the products of
+a few rows call hand-written C++ kernels (``minillm/model/kernels``, built at first use; without
+a compiler, PyTorch formulations of the same).
 
 What gets compiled on the CPU is a group of layers (``decode_layers``: 6 of SmolLM2's 30, see
 ``layer_group_size``) and the LM head (``decode_logits``), not the whole step: the 5 groups
@@ -46,6 +48,7 @@ from collections.abc import Sequence
 import torch
 
 from minillm.cache.paged import PagedBatch, PagedKVCache
+from minillm.model import kernels
 from minillm.model.layers import Linear, RMSNorm
 from minillm.model.llama import Block, Transformer
 
@@ -185,6 +188,8 @@ class ModelRunner:
             if not compile:
                 print(f"minillm: {why}", file=sys.stderr)
         self.compiled = compile
+        if model.device.type == "cpu":
+            kernels.available()  # build or load the hand-written kernels now, not while a step is traced
         self.compile_seconds: dict[str, float] = {}  # first call of each compiled variant, in seconds
         self.trace: list[tuple[str, int]] | None = None  # set to [] to record every step: (kind, rows)
         self._decode = decode_step

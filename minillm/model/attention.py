@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from minillm.model import kernels
 from minillm.model.config import ModelConfig
 from minillm.model.layers import Linear
 from minillm.model.rope import apply_rope
@@ -128,6 +129,26 @@ def paged_decode_attention(
     q: [rows, n_heads, head_dim]; k_pool, v_pool: [num_blocks, n_kv_heads, block_size,
     head_dim]; block_tables: [rows, width] block ids; context_lens: [rows] keys per row.
     Returns [rows, n_heads, head_dim].
+
+    On a CPU with float32 pools this runs the hand-written kernel (``kernels/paged_attention.cpp``):
+    each block read once where it lies, an online softmax 16 keys at a time, a row's keys split
+    over the cores. Measured on the course machine against the PyTorch formulation below,
+    compiled: 2-4x faster at 256 keys, 1.1-1.4x at 1024-4096 keys, where both wait on memory.
+    Elsewhere (other dtypes, GPUs, no C++ compiler) it runs ``paged_decode_attention_reference``.
+    """
+    if q.device.type == "cpu" and q.dtype == k_pool.dtype == torch.float32 and kernels.available():
+        return kernels.paged_decode_attention(q.contiguous(), k_pool, v_pool, block_tables, context_lens)
+    return paged_decode_attention_reference(q, k_pool, v_pool, block_tables, context_lens)
+
+
+def paged_decode_attention_reference(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+) -> torch.Tensor:
+    """``paged_decode_attention`` in PyTorch operations: any device, any dtype.
 
     Why it is written as sums of products rather than ``q @ k.T``: a matrix product needs its
     operands as dense tensors, so ``k_pool[block_tables]`` would first be copied out, block by

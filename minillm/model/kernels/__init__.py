@@ -1,16 +1,22 @@
-"""Hand-written CPU kernels for the packed weight formats, compiled on this machine at first use.
+"""Hand-written CPU kernels, compiled on this machine at first use.
 
-``quant.cpp`` multiplies by Q8_0 / Q4_0 / Q4_1 blocks without expanding them (notebook 11
-explains why PyTorch's own kernels could not: they spend more instructions turning 4 bits into
-a float than the bytes save). It is built the way ``torch.compile`` builds its C++: on this
-machine, for this CPU (``-march=native``), once — the library is kept in
-``$MINILLM_CACHE/kernels`` under a name that hashes the source, the compiler flags, the torch
-version and the CPU, so a change to any of them builds afresh. Nothing is downloaded and no
-prebuilt binary is trusted.
+* ``quant.cpp`` multiplies by Q8_0 / Q4_0 / Q4_1 blocks without expanding them (notebook 11
+  explains why PyTorch's own kernels could not: they spend more instructions turning 4 bits
+  into a float than the bytes save).
+* ``linear.cpp`` multiplies the few rows of a batched decode step by a float32 weight matrix,
+  each weight read once for all the rows (the libraries' GEMMs are tuned for large matrices).
+* ``paged_attention.cpp`` runs a decode step's attention through the block tables, reading each
+  cached block once where it lies (notebook 10: what it changes at long contexts).
+
+They are built into one library the way ``torch.compile`` builds its C++: on this machine, for
+this CPU (``-march=native``), once — the library is kept in ``$MINILLM_CACHE/kernels`` under a
+name that hashes the sources, the compiler flags, the torch version and the CPU, so a change to
+any of them builds afresh. Nothing is downloaded and no prebuilt binary is trusted.
 
 When the build cannot happen (no C++ compiler, a compiler error, ``MINILLM_KERNELS=0``) the
-reason is kept in ``why_unavailable()`` and ``QuantizedLinear`` uses its PyTorch formulation
-instead: slower, the same numbers up to float32 rounding.
+reason is kept in ``why_unavailable()`` and the callers (``QuantizedLinear``,
+``paged_decode_attention``) use their PyTorch formulations instead: slower, the same numbers up
+to float32 rounding.
 """
 
 from __future__ import annotations
@@ -29,7 +35,11 @@ import torch
 
 from minillm.assets import cache_dir
 
-SOURCE = Path(__file__).with_name("quant.cpp")
+QUANT_SOURCE = Path(__file__).with_name("quant.cpp")
+ATTENTION_SOURCE = Path(__file__).with_name("paged_attention.cpp")
+LINEAR_SOURCE = Path(__file__).with_name("linear.cpp")
+SOURCES = (QUANT_SOURCE, ATTENTION_SOURCE, LINEAR_SOURCE)
+HEADERS = (Path(__file__).with_name("simd.h"),)
 BUILD_SECONDS = 300  # a build is ~10 s on 2 cores; a compiler that hangs must not hang the caller
 
 _loaded: Optional[bool] = None  # None: not tried yet in this process
@@ -37,8 +47,10 @@ _why = ""
 
 
 def available() -> bool:
-    """Whether the packed-format kernels are loaded (building them the first time it is asked)."""
+    """Whether the kernels are loaded (building them the first time it is asked)."""
     global _loaded, _why
+    if _loaded is None and torch.compiler.is_compiling():
+        return False  # never build inside a traced program: the caller runs eagerly first (ModelRunner does)
     if _loaded is None:
         try:
             library = _build()
@@ -62,21 +74,38 @@ def linear(fmt: str, x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: Opti
     return torch.ops.minillm.q4_linear(x, qs, d, m if fmt == "q4_1" else None)
 
 
+def f32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x`` [rows, in] float32 times ``weight`` [out, in] transposed: [rows, out]."""
+    return torch.ops.minillm.f32_linear(x, weight)
+
+
+def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+                           context_lens: torch.Tensor) -> torch.Tensor:
+    """One query per row [rows, n_heads, head_dim] over its keys in float32 pools, read through
+    ``block_tables`` [rows, width] (int64) up to ``context_lens`` [rows] (int64)."""
+    return torch.ops.minillm.paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens)
+
+
 def _register_shapes() -> None:
     """What the ops return, for ``torch.compile`` to trace them without running them."""
 
-    def fake(x: torch.Tensor, qs: torch.Tensor, *blocks: Optional[torch.Tensor]) -> torch.Tensor:
+    def fake_linear(x: torch.Tensor, qs: torch.Tensor, *blocks: Optional[torch.Tensor]) -> torch.Tensor:
         return x.new_empty(x.shape[0], qs.shape[0])
 
-    torch.library.register_fake("minillm::q8_0_linear", fake)
-    torch.library.register_fake("minillm::q4_linear", fake)
+    def fake_attention(q: torch.Tensor, *pools_and_tables: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+    torch.library.register_fake("minillm::q8_0_linear", fake_linear)
+    torch.library.register_fake("minillm::q4_linear", fake_linear)
+    torch.library.register_fake("minillm::paged_decode_attention", fake_attention)
+    torch.library.register_fake("minillm::f32_linear", lambda x, weight: x.new_empty(x.shape[0], weight.shape[0]))
 
 
 def _compiler() -> str:
     for name in (os.environ.get("CXX", ""), "g++", "c++", "clang++"):
         if name and shutil.which(name):
             return name
-    raise RuntimeError("no C++ compiler found (g++, c++ or clang++): the packed-weight kernels cannot be built")
+    raise RuntimeError("no C++ compiler found (g++, c++ or clang++): the kernels cannot be built")
 
 
 def _command(compiler: str, output: Path) -> list[str]:
@@ -86,7 +115,7 @@ def _command(compiler: str, output: Path) -> list[str]:
     libraries = cpp_extension.library_paths()
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     return [compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20", "-w",
-            f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, str(SOURCE), "-o", str(output),
+            f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, *map(str, SOURCES), "-o", str(output),
             *[f"-L{folder}" for folder in libraries], *[f"-Wl,-rpath,{folder}" for folder in libraries],
             "-lc10", "-ltorch_cpu"]
 
@@ -103,15 +132,16 @@ def _cpu() -> str:
 
 def _build() -> Path:
     if os.environ.get("MINILLM_KERNELS", "1") == "0":
-        raise RuntimeError("MINILLM_KERNELS=0: the packed-weight kernels are switched off")
+        raise RuntimeError("MINILLM_KERNELS=0: the hand-written kernels are switched off")
     if sys.platform == "win32":
-        raise RuntimeError("the packed-weight kernels are built with a Unix compiler; not on Windows")
+        raise RuntimeError("the hand-written kernels are built with a Unix compiler; not on Windows")
     compiler = _compiler()
-    flags = [part for part in _command(compiler, Path("x")) if part != str(SOURCE)]  # the text counts, not where it is
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(flags), torch.__version__, sys.version,
+    flags = [part for part in _command(compiler, Path("x")) if part not in map(str, SOURCES)]  # the text counts, not where it is
+    texts = [source.read_text() for source in SOURCES + HEADERS]
+    key = hashlib.sha256("\n".join([*texts, " ".join(flags), torch.__version__, sys.version,
                                     _cpu()]).encode()).hexdigest()[:16]
     folder = cache_dir() / "kernels"
-    library = folder / f"quant-{key}.so"
+    library = folder / f"minillm-{key}.so"
     if library.is_file():
         return library
     folder.mkdir(parents=True, exist_ok=True)
@@ -121,6 +151,7 @@ def _build() -> Path:
         partial = Path(scratch) / library.name
         done = subprocess.run(_command(compiler, partial), capture_output=True, text=True, timeout=BUILD_SECONDS)
         if done.returncode != 0:
-            raise RuntimeError(f"building {SOURCE.name} with {compiler} failed:\n{done.stderr[-2000:]}")
+            names = ", ".join(source.name for source in SOURCES)
+            raise RuntimeError(f"building {names} with {compiler} failed:\n{done.stderr[-2000:]}")
         os.replace(partial, library)
     return library
