@@ -73,13 +73,13 @@ inline int64_t chunk_keys(int64_t length) {
 // the head's running output stays in registers while the 16 values are added in.
 template <int D>
 void attend_chunk16(const Shape& sh, const float* q, const float* k_pool, const float* v_pool, const int64_t* table,
-                    int64_t first, int64_t last, Partial out) {
-  constexpr int V = D / 16;  // registers per head vector
+                    int64_t first, int64_t last, Partial out, float* p, float* keep) {
+  constexpr int V = D / 16;       // registers per head vector
+  constexpr int H = 16 / V;       // query heads whose outputs fit in 16 registers
   const int64_t B = sh.block_size, head_stride = B * D, block_stride = sh.n_kv_heads * head_stride;
   const __m512 scale = _mm512_set1_ps(sh.scale), minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const float* keys[16];
   const float* values[16];
-  alignas(64) float p[16];
   for (int64_t start = first; start < last; start += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, last - start));
     const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
@@ -90,28 +90,57 @@ void attend_chunk16(const Shape& sh, const float* q, const float* k_pool, const 
         keys[j] = k_pool + at;
         values[j] = v_pool + at;
       }
-      for (int64_t head = kv_head * sh.groups; head < (kv_head + 1) * sh.groups; ++head) {  // the group sharing them
-        __m512 qv[V], t[16], acc[V];
+      // scores and softmax bookkeeping for each query head of the group sharing these keys
+      const int64_t first_head = kv_head * sh.groups;
+      for (int64_t g = 0; g < sh.groups; ++g) {
+        const int64_t head = first_head + g;
+        __m512 qv[V], t[16];
+#pragma GCC unroll 8
         for (int i = 0; i < V; ++i) qv[i] = _mm512_loadu_ps(q + head * D + 16 * i);
+#pragma GCC unroll 16
         for (int j = 0; j < 16; ++j) {
           t[j] = _mm512_setzero_ps();
           if (j < n)
+#pragma GCC unroll 8
             for (int i = 0; i < V; ++i) t[j] = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(keys[j] + 16 * i), t[j]);
         }
         const __m512 s = _mm512_mask_blend_ps(valid, minus_inf, _mm512_mul_ps(sum16(t), scale));
         const float new_max = std::max(out.max[head], _mm512_reduce_max_ps(s));
-        const float keep = std::exp(out.max[head] - new_max);  // rescales what was summed so far (0 at the start)
+        keep[g] = std::exp(out.max[head] - new_max);  // rescales what was summed so far (0 at the start)
         const __m512 e = _mm512_maskz_mov_ps(valid, exp_ps(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
-        out.sum[head] = out.sum[head] * keep + _mm512_reduce_add_ps(e);
+        out.sum[head] = out.sum[head] * keep[g] + _mm512_reduce_add_ps(e);
         out.max[head] = new_max;
-        _mm512_store_ps(p, e);
-        float* acc_head = out.acc + head * D;
-        for (int i = 0; i < V; ++i) acc[i] = _mm512_mul_ps(_mm512_set1_ps(keep), _mm512_loadu_ps(acc_head + 16 * i));
+        _mm512_storeu_ps(p + g * 16, e);
+      }
+      // the weighted values: each value vector loaded once for up to H heads of the group
+      for (int64_t g0 = 0; g0 < sh.groups; g0 += H) {
+        const int heads = static_cast<int>(std::min<int64_t>(H, sh.groups - g0));
+        float* acc_g0 = out.acc + (first_head + g0) * D;
+        __m512 acc[H][V];
+#pragma GCC unroll 8
+        for (int h = 0; h < H; ++h)
+#pragma GCC unroll 8
+          for (int i = 0; i < V; ++i)
+            acc[h][i] = h < heads ? _mm512_mul_ps(_mm512_set1_ps(keep[g0 + h]), _mm512_loadu_ps(acc_g0 + h * D + 16 * i))
+                                  : _mm512_setzero_ps();
         for (int j = 0; j < n; ++j) {
-          const __m512 w = _mm512_set1_ps(p[j]);
-          for (int i = 0; i < V; ++i) acc[i] = _mm512_fmadd_ps(w, _mm512_loadu_ps(values[j] + 16 * i), acc[i]);
+          __m512 v[V];
+#pragma GCC unroll 8
+          for (int i = 0; i < V; ++i) v[i] = _mm512_loadu_ps(values[j] + 16 * i);
+#pragma GCC unroll 8
+          for (int h = 0; h < H; ++h) {
+            if (h < heads) {
+              const __m512 w = _mm512_set1_ps(p[(g0 + h) * 16 + j]);
+#pragma GCC unroll 8
+              for (int i = 0; i < V; ++i) acc[h][i] = _mm512_fmadd_ps(w, v[i], acc[h][i]);
+            }
+          }
         }
-        for (int i = 0; i < V; ++i) _mm512_storeu_ps(acc_head + 16 * i, acc[i]);
+#pragma GCC unroll 8
+        for (int h = 0; h < H; ++h)
+          if (h < heads)
+#pragma GCC unroll 8
+            for (int i = 0; i < V; ++i) _mm512_storeu_ps(acc_g0 + h * D + 16 * i, acc[h][i]);
       }
     }
   }
@@ -143,13 +172,16 @@ void attend_chunk(const Shape& sh, const float* q, const float* k_pool, const fl
 
 // One task: start its partial empty, then run the fastest version for this head_dim.
 void run_chunk(const Shape& sh, const float* q, const float* k_pool, const float* v_pool, const int64_t* table,
-               int64_t first, int64_t last, Partial out) {
+               int64_t first, int64_t last, Partial out, std::vector<float>& scratch) {
   std::fill(out.max, out.max + sh.n_heads, -std::numeric_limits<float>::infinity());
   std::fill(out.sum, out.sum + sh.n_heads, 0.0f);
   std::fill(out.acc, out.acc + sh.n_heads * sh.head_dim, 0.0f);
 #ifdef MINILLM_AVX512
-  if (sh.head_dim == 64) return attend_chunk16<64>(sh, q, k_pool, v_pool, table, first, last, out);
-  if (sh.head_dim == 128) return attend_chunk16<128>(sh, q, k_pool, v_pool, table, first, last, out);
+  scratch.resize(sh.groups * 17);  // 16 probabilities and a rescale factor per head of a group
+  float* p = scratch.data();
+  float* keep = p + sh.groups * 16;
+  if (sh.head_dim == 64) return attend_chunk16<64>(sh, q, k_pool, v_pool, table, first, last, out, p, keep);
+  if (sh.head_dim == 128) return attend_chunk16<128>(sh, q, k_pool, v_pool, table, first, last, out, p, keep);
 #endif
   attend_chunk(sh, q, k_pool, v_pool, table, first, last, out);
 }
@@ -221,9 +253,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
   const float* vp = v_pool.data_ptr<float>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch;
     for (int64_t i = begin; i < end; ++i) {
       const Chunk& c = chunks[i];
-      run_chunk(sh, qp + c.row * H * D, kp, vp, tables + c.row * sh.width, c.first, c.last, partial(i));
+      run_chunk(sh, qp + c.row * H * D, kp, vp, tables + c.row * sh.width, c.first, c.last, partial(i), scratch);
     }
   });
 
