@@ -40,7 +40,7 @@ ATTENTION_SOURCE = Path(__file__).with_name("paged_attention.cpp")
 LINEAR_SOURCE = Path(__file__).with_name("linear.cpp")
 SOURCES = (QUANT_SOURCE, ATTENTION_SOURCE, LINEAR_SOURCE)
 HEADERS = (Path(__file__).with_name("simd.h"),)
-BUILD_SECONDS = 300  # a build is ~10 s on 2 cores; a compiler that hangs must not hang the caller
+BUILD_SECONDS = 300  # a build is ~25 s on 2 cores; a compiler that hangs must not hang the caller
 
 _loaded: Optional[bool] = None  # None: not tried yet in this process
 _why = ""
