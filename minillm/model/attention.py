@@ -117,13 +117,8 @@ class Attention(torch.nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
-def paged_decode_attention(
-    q: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-) -> torch.Tensor:
+def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+                           context_lens: torch.Tensor) -> torch.Tensor:
     """One query per row over that row's keys, read from the block pool in place.
 
     q: [rows, n_heads, head_dim]; k_pool, v_pool: [num_blocks, n_kv_heads, block_size,
@@ -141,13 +136,8 @@ def paged_decode_attention(
     return paged_decode_attention_reference(q, k_pool, v_pool, block_tables, context_lens)
 
 
-def paged_decode_attention_reference(
-    q: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-) -> torch.Tensor:
+def paged_decode_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                                     block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
     """``paged_decode_attention`` in PyTorch operations: any device, any dtype.
 
     Why it is written as sums of products rather than ``q @ k.T``: a matrix product needs its

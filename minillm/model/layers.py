@@ -51,13 +51,10 @@ class Linear(torch.nn.Linear):
             if self.bias is not None:
                 y = y + self.bias
             return y.view(*x.shape[:-1], -1)
-        if torch.compiler.is_compiling() and x.device.type == "cpu" and x.dtype == torch.float32 and kernels.available():
-            y = kernels.f32_linear(x.reshape(-1, x.shape[-1]), self.weight)  # (the rows are contiguous here)
-            if self.bias is not None:
-                y = y + self.bias
-            return y.view(*x.shape[:-1], -1)
-        if torch.compiler.is_compiling() and x.device.type == "cpu" and x.dtype == torch.float32 and _ONEDNN:
-            y = small_batch_linear(x.reshape(-1, x.shape[-1]), self.weight)
+        few_rows_float32 = torch.compiler.is_compiling() and x.device.type == "cpu" and x.dtype == torch.float32
+        if few_rows_float32 and (kernels.available() or _ONEDNN):
+            rows = x.reshape(-1, x.shape[-1])
+            y = kernels.f32_linear(rows, self.weight) if kernels.available() else small_batch_linear(rows, self.weight)
             if self.bias is not None:
                 y = y + self.bias
             return y.view(*x.shape[:-1], -1)

@@ -133,7 +133,7 @@ def default_weights(source: str | os.PathLike[str] | None = None, device: str | 
     except FileFormatError:
         return "float32"  # load_model reports what is wrong with the file
     packed = types - set(FLOAT_TYPES)
-    # asked last: the first time, it builds the kernels (~10 s), which only a packed file needs
+    # asked last: the first time, it builds the kernels (~25 s), which only a packed file needs
     return "native" if packed and packed <= set(NATIVE_TYPES) and kernels.available() else "float32"
 
 

@@ -136,7 +136,8 @@ def _build() -> Path:
     if sys.platform == "win32":
         raise RuntimeError("the hand-written kernels are built with a Unix compiler; not on Windows")
     compiler = _compiler()
-    flags = [part for part in _command(compiler, Path("x")) if part not in map(str, SOURCES)]  # the text counts, not where it is
+    sources = [str(source) for source in SOURCES]
+    flags = [part for part in _command(compiler, Path("x")) if part not in sources]  # the text counts, not where it is
     texts = [source.read_text() for source in SOURCES + HEADERS]
     key = hashlib.sha256("\n".join([*texts, " ".join(flags), torch.__version__, sys.version,
                                     _cpu()]).encode()).hexdigest()[:16]
