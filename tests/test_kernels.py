@@ -80,12 +80,16 @@ def test_the_kernel_equals_exact_attention_within_float32_rounding(lengths, bloc
 
 def test_the_model_path_uses_the_kernel_for_float32_and_the_reference_otherwise():
     step = _step([40, 3], 16, 3, 3, 64, seed=1)
-    assert torch.equal(paged_decode_attention(*step), kernels.paged_decode_attention(*step))
+    if kernels.vectorized():  # (else the portable loop is never the model's path)
+        assert torch.equal(paged_decode_attention(*step), kernels.paged_decode_attention(*step))
     q, k_pool, v_pool, tables, lens = step
     half = paged_decode_attention(q.bfloat16(), k_pool.bfloat16(), v_pool.bfloat16(), tables, lens)
     assert half.dtype == torch.bfloat16  # the reference formulation, in the pools' dtype
     transposed = q.transpose(0, 1).contiguous().transpose(0, 1)  # a non-contiguous query is copied first
     assert torch.equal(paged_decode_attention(transposed, k_pool, v_pool, tables, lens), paged_decode_attention(*step))
+    small = _step([40, 3], 16, 3, 3, 32, seed=1)  # a head size without a vectorized version: the reference
+    assert torch.equal(paged_decode_attention(*small), paged_decode_attention_reference(*small))
+    assert kernels.vectorized() == kernels._vectorized
 
 
 @settings(max_examples=15, deadline=None)

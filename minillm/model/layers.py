@@ -39,10 +39,10 @@ class Linear(torch.nn.Linear):
     quarters of a batch-8 step. oneDNN's matmul (``small_batch_linear``) reads them 1.4-2.3x
     faster (the batch-8 step: 88 -> 62 ms); the hand-written ``kernels.f32_linear``, which reads
     each weight once for all the rows while it is in registers, is 1.5-2.5x faster again at 8
-    rows (measured: 40-55 ms vs 70-87 ms per batch-8 step, interleaved), so it runs wherever it
-    is built, oneDNN where it is not. One row stays the compiled reduction: the kernel was
-    slower there (28-31 vs 20-25 ms per token). Everything else — eager calls, prefill, other
-    devices and dtypes — calls ``F.linear`` as usual.
+    rows (measured: 40-55 ms vs 70-87 ms per batch-8 step, interleaved), so it runs wherever its
+    AVX-512 version is built (``kernels.vectorized()``), oneDNN elsewhere. One row stays the
+    compiled reduction: the kernel was slower there (28-31 vs 20-25 ms per token). Everything
+    else — eager calls, prefill, other devices and dtypes — calls ``F.linear`` as usual.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -52,9 +52,9 @@ class Linear(torch.nn.Linear):
                 y = y + self.bias
             return y.view(*x.shape[:-1], -1)
         few_rows_float32 = torch.compiler.is_compiling() and x.device.type == "cpu" and x.dtype == torch.float32
-        if few_rows_float32 and (kernels.available() or _ONEDNN):
+        if few_rows_float32 and (kernels.vectorized() or _ONEDNN):
             rows = x.reshape(-1, x.shape[-1])
-            y = kernels.f32_linear(rows, self.weight) if kernels.available() else small_batch_linear(rows, self.weight)
+            y = kernels.f32_linear(rows, self.weight) if kernels.vectorized() else small_batch_linear(rows, self.weight)
             if self.bias is not None:
                 y = y + self.bias
             return y.view(*x.shape[:-1], -1)

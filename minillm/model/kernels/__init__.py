@@ -44,11 +44,12 @@ BUILD_SECONDS = 300  # a build is ~25 s on 2 cores; a compiler that hangs must n
 
 _loaded: Optional[bool] = None  # None: not tried yet in this process
 _why = ""
+_vectorized = False  # built with the AVX-512 versions (set when the library loads)
 
 
 def available() -> bool:
     """Whether the kernels are loaded (building them the first time it is asked)."""
-    global _loaded, _why
+    global _loaded, _why, _vectorized
     if _loaded is None and torch.compiler.is_compiling():
         return False  # never build inside a traced program: the caller runs eagerly first (ModelRunner does)
     if _loaded is None:
@@ -56,10 +57,19 @@ def available() -> bool:
             library = _build()
             torch.ops.load_library(str(library))
             _register_shapes()
+            _vectorized = bool(torch.ops.minillm.vectorized())
             _loaded = True
         except (OSError, RuntimeError, subprocess.SubprocessError) as err:
             _loaded, _why = False, str(err)
     return _loaded
+
+
+def vectorized() -> bool:
+    """Whether the float32 kernels of the decode step (``f32_linear``, ``paged_decode_attention``)
+    are the fast AVX-512 versions. Their portable versions are correct but slower than PyTorch's
+    own paths, so callers use them only when this is True (the packed-weight products are worth
+    it either way: the fallback there dequantizes)."""
+    return available() and _vectorized
 
 
 def why_unavailable() -> str:

@@ -31,7 +31,7 @@ namespace {
 #ifdef MINILLM_AVX512
 using minillm_simd::sum16;
 
-// y[m][n0 + r] for m < MR, r < R: one tile, K a multiple of 16 (the tail is masked).
+// y[m][n0 + r] for m < MR, r < R: one tile, any K (the last 16 or fewer inputs masked).
 template <int MR, int R>
 void tile(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t n0) {
   constexpr int T = MR * R;  // accumulators, in registers: every loop over them is unrolled
@@ -147,6 +147,15 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w) {
 
 TORCH_LIBRARY_FRAGMENT(minillm, lib) {
   lib.def("f32_linear(Tensor x, Tensor w) -> Tensor");
+  // Whether the library was built with the AVX-512 versions: without them the float32 kernels
+  // are portable loops, slower than PyTorch's own paths, and the callers keep those.
+  lib.def("vectorized() -> bool", []() -> bool {
+#ifdef MINILLM_AVX512
+    return true;
+#else
+    return false;
+#endif
+  });
 }
 
 TORCH_LIBRARY_IMPL(minillm, CPU, lib) {
