@@ -77,6 +77,49 @@ def test_compiled_engine_equals_eager_engine_and_compiles_two_programs(tiny_llam
     assert set(engine.runner.compile_seconds) == {"rows=1", "rows>1"}
 
 
+def test_a_group_guards_its_first_layer_and_a_model_whose_layers_differ_keeps_every_guard(tiny_llama):
+    """A compiled group of layers keeps dynamo's guards on its first layer only. A model changed
+    in *every* layer (all Q8_0) fails those guards and gets its own program; a model whose
+    later layers differ from its first (one Q8_0 matrix in layer 1) is not run by the groups at
+    all (the whole step is compiled, every guard kept). Both answer like the eager engine."""
+    from minillm.model import quant
+
+    folder, _, _ = tiny_llama
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [7]]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    model, tok = load_model(folder, device="cpu")
+    first = Engine(model, tok, compile=True)
+    assert isinstance(first.runner._decode, runner_module.functools.partial)  # the regions
+    first.generate(prompts, params)
+
+    quant.quantize_model(model, "q8_0")  # every layer changes: the guards on layer 0 see it
+    every = Engine(model, tok, compile=True)
+    assert runner_module.uniform(model, every.cache)
+    assert [c.token_ids for c in every.generate(prompts, params)] == \
+        [c.token_ids for c in Engine(model, tok, compile=False).generate(prompts, params)]
+
+    mixed, tok = load_model(folder, device="cpu")
+    down = mixed.layers[1].mlp.down_proj
+    quant.use_blocks(mixed, {"layers.1.mlp.down_proj": ("q8_0", quant.quantize(down.weight, "q8_0"))})
+    engine = Engine(mixed, tok, compile=True)
+    assert not runner_module.uniform(mixed, engine.cache)
+    assert not isinstance(engine.runner._decode, runner_module.functools.partial)  # the whole step
+    assert [c.token_ids for c in engine.generate(prompts, params)] == \
+        [c.token_ids for c in Engine(mixed, tok, compile=False).generate(prompts, params)]
+
+
+def test_the_guard_filter_drops_only_later_layers_and_pools():
+    class Guard:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+    names = ["layers[0]._modules['mlp']", "layers[1]._modules['mlp']", "layers[12].weight", "k_pools[0]",
+             "v_pools[3]", "x", "block_tables", "positions"]
+    kept = runner_module._guards_of_first_layer([Guard(name) for name in names])
+    assert [name for name, keep in zip(names, kept) if keep] == ["layers[0]._modules['mlp']", "k_pools[0]", "x",
+                                                                  "block_tables", "positions"]
+
+
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])  # qwen2: q/k/v biases in the compiled Linear
 def test_compiled_engine_matches_transformers_on_tiny_checkpoints(tmp_path, tiny_tokenizer, model_type):  # noqa: F811
     from minillm.reference import hf_causal_lm

@@ -31,6 +31,15 @@ the compiled code on disk (65 s instead of ~250 s without); measured on the cour
 step is 5-9 % slower than the whole-step program (each call into compiled code checks its
 guards). One-layer regions started faster still (3 s) but decoded 20 % slower, hence groups.
 
+Those guards are dynamo's checks, before every call, that the inputs still look like the ones
+the program was compiled for: ~1,600 per group (every weight's dtype, shape and strides, every
+module's type and attributes), 40-90 µs warm and up to ~500 µs with cold caches per call, which
+was ~1-2 ms of a ~12 ms token with packed weights. The groups keep the guards on their *first*
+layer and pools only (``_guards_of_first_layer``): the runner checks once, when it is built,
+that every layer of the model has the first one's structure (``layer_structure``) — so a
+guard on layer 0 speaks for the group — and compiles the whole step, all guards kept, for a
+model whose layers differ.
+
 On CUDA the whole step is compiled with ``mode="reduce-overhead"``: each step is replayed as a
 CUDA graph (one launch instead of hundreds), one graph per bucket of rows and table width, the
 inputs padded up to the bucket with rows that write to the pool's scratch block — as vLLM and
@@ -39,10 +48,11 @@ nano-vllm do. Inductor keeps its compiled code on disk, so later processes start
 
 from __future__ import annotations
 
+import functools
+import re
 import shutil
 import sys
 import time
-import functools
 from collections.abc import Sequence
 
 import torch
@@ -151,7 +161,8 @@ class CompiledRegions:
     OPTIONS = {"size_asserts": False, "alignment_asserts": False}
 
     def __init__(self) -> None:
-        self._layers = torch.compile(decode_layers, fullgraph=True, dynamic=False, options=self.OPTIONS)
+        options = dict(self.OPTIONS, guard_filter_fn=_guards_of_first_layer)
+        self._layers = torch.compile(decode_layers, fullgraph=True, dynamic=False, options=options)
         self._logits = torch.compile(decode_logits, fullgraph=True, dynamic=False, options=self.OPTIONS)
 
     def layers(self, layers: tuple[Block, ...], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -162,6 +173,38 @@ class CompiledRegions:
     def logits(self, norm: RMSNorm, lm_head: Linear, x: torch.Tensor) -> torch.Tensor:
         _mark_rows_dynamic(x)
         return self._logits(norm, lm_head, x)
+
+
+_LATER_LAYER = re.compile(r"(layers|k_pools|v_pools)\[([1-9]\d*)\]")
+
+
+def _guards_of_first_layer(guards: list) -> list[bool]:
+    """Which of a compiled group's guards to keep: all but those on its second and later layers
+    and pools, which have the first one's structure (checked by ``uniform``, or the group is
+    never compiled). Dynamo passes every guard it built; those named ``layers[i]...`` or
+    ``k_pools[i]`` with ``i > 0`` are dropped."""
+    return [_LATER_LAYER.match(guard.name) is None for guard in guards]
+
+
+def layer_structure(layer: torch.nn.Module) -> tuple:
+    """What a compiled program assumes of a layer: its modules' types and plain attributes, and
+    its tensors' dtypes, shapes, strides and devices (not their values). ``layer_idx``, the
+    layer's place in the model, is left out: the step passes each layer its index in the group."""
+    modules = tuple((name, type(module).__qualname__,
+                     tuple(sorted((key, value) for key, value in vars(module).items()
+                                  if isinstance(value, (bool, int, float, str)) and key != "layer_idx")))
+                    for name, module in layer.named_modules())
+    tensors = tuple((name, tensor.dtype, tuple(tensor.shape), tensor.stride(), tensor.device)
+                    for name, tensor in [*layer.named_parameters(), *layer.named_buffers()])
+    return modules + tensors
+
+
+def uniform(model: Transformer, cache: PagedKVCache) -> bool:
+    """Whether every layer and every block pool looks like the first one (then the guards on the
+    first one of a group can speak for the whole group: ``_guards_of_first_layer``)."""
+    first = layer_structure(model.layers[0])
+    pools = {(pool.dtype, tuple(pool.shape), pool.stride()) for pool in cache.k + cache.v}
+    return len(pools) == 1 and all(layer_structure(layer) == first for layer in model.layers)
 
 
 def _mark_rows_dynamic(*tensors: torch.Tensor) -> None:
@@ -195,8 +238,10 @@ class ModelRunner:
         self._decode = decode_step
         if compile and self.on_cuda:  # the whole step as one CUDA graph: one launch per step
             self._decode = torch.compile(decode_step, fullgraph=True, mode="reduce-overhead", dynamic=False)
-        elif compile:  # one program for every group of layers, one for the head: ready ~10x sooner
+        elif compile and uniform(model, cache):  # one program for every group of layers, one for the head
             self._decode = functools.partial(decode_step, regions=CompiledRegions())
+        elif compile:  # layers that differ (a file mixing block formats): one program, every guard kept
+            self._decode = torch.compile(decode_step, fullgraph=True, dynamic=False)
 
     @torch.inference_mode()
     def prefill(self, seq_ids: Sequence[int], token_lists: Sequence[Sequence[int]]) -> torch.Tensor:

@@ -19,8 +19,10 @@ nibble and weight ``j + 16`` in its high nibble. Here a quantized matrix is kept
 
 ``QuantizedLinear`` multiplies by such a matrix. On a CPU it calls the packed kernel of
 ``minillm/model/kernels`` (C++, built on the machine at first use): it reads each packed byte
-once, unpacks 16 weights per instruction and multiplies in float32, so the float matrix never
-exists and the result is ``F.linear(x, dequantize(W))`` up to float32 rounding. PyTorch's own
+once and turns 16 codes into weights per instruction — a 4-bit block has only 16 possible
+weights, ``d * k + m``, computed into one register and *looked up* by the codes — then
+multiplies in float32, so the float matrix never exists and the result is ``F.linear(x,
+dequantize(W))`` up to float32 rounding. PyTorch's own
 formulation stays as the fallback where the kernel cannot be built: compiled with one row, a
 reduction over the packed integers — ``(q.float() * d * x).sum()`` — that ``torch.compile``
 turns into one loop over the bytes (``_matvec``; notebook 11 measures it compute-bound, slower

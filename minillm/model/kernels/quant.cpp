@@ -8,10 +8,12 @@
 //
 // The arithmetic is float32 throughout (no 8-bit activations, unlike llama.cpp), so the
 // result equals F.linear(x, dequantize(W)) up to float32 rounding:
-//   Q8_0:  w = d * q                         y = sum_b d_b * sum_j q_j x_j
-//   Q4_1:  w = d * q + m                     y = sum_b d_b * sum_j q_j x_j  +  sum_b m_b * sum_j x_j
-//   Q4_0:  w = d * (q - 8) = d * q - 8 d     the Q4_1 sum with m_b = -8 d_b
-// The "offset" sum_b m_b * (sum of x over block b) needs each block's sum of x once per call.
+//   Q8_0:  w = d * q                  y = sum_b d_b * sum_j q_j x_j   (d applied once per block)
+//   Q4_1:  w = d * q + m              each block's 16 possible weights d * k + m (k = 0..15) are
+//   Q4_0:  w = d * (q - 8)            computed once, and every 4-bit q *selects* its weight from
+//                                     them (one permute instruction for 16 weights), then one FMA.
+// The table lookup is what makes 4 bits cheap: turning q into a float by arithmetic (widen,
+// convert, scale, add the minimum) costs more instructions per weight than the bytes it saves.
 //
 // Layout (minillm.model.quant): qs [out, blocks, 32] int8 (Q8_0) or [out, blocks, 16] uint8
 // (Q4: byte j holds weight j in its low nibble, weight j + 16 in its high one); d, m [out,
@@ -25,7 +27,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <vector>
 
 #if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
@@ -37,6 +38,8 @@
 namespace {
 
 constexpr int64_t kBlock = 32;
+
+enum class Format { q8_0, q4_0, q4_1 };  // the block formats, as template arguments of the kernels
 
 // float16 -> float32 in one instruction where the CPU has F16C (c10::Half's portable
 // conversion is a dozen integer operations, more than the block's own arithmetic).
@@ -54,21 +57,13 @@ struct Matrix {          // one quantized weight matrix
   const at::Half* m;     // Q4_1's minimums (nullptr otherwise)
   int64_t out, blocks;
   bool four_bit;
-  bool q4_0;             // offset = -8 d
+  bool q4_0;             // m = -8 d
   int64_t block_bytes() const { return four_bit ? 16 : 32; }
-};
-
-// Offset of output row o for one input row: sum over blocks of m_b * (sum of x over block b).
-float offset(const Matrix& w, int64_t o, const float* xsum) {
-  if (!w.four_bit) return 0.0f;
-  float s = 0.0f;
-  for (int64_t b = 0; b < w.blocks; ++b) {
-    const float d = to_float(w.d + o * w.blocks + b);
-    const float m = w.q4_0 ? -8.0f * d : to_float(w.m + o * w.blocks + b);
-    s += m * xsum[b];
+  // The block's weight for level 0: Q4_1's minimum, -8 d for Q4_0 (4-bit formats only).
+  float minimum(int64_t o, int64_t b, float scale) const {
+    return q4_0 ? -8.0f * scale : to_float(m + o * blocks + b);
   }
-  return s;
-}
+};
 
 // Input rows up to which the packed product beats "dequantize, then a float matrix product":
 // with more rows each weight is reused enough for MKL's better arithmetic to win. Measured on
@@ -78,142 +73,170 @@ constexpr int64_t kPackedRows = 32;
 
 #if defined(MINILLM_AVX512)
 
-// Block b of output row o as two vectors of integer-valued floats: weights 0..15 and 16..31.
-inline void unpack(const Matrix& w, int64_t o, int64_t b, __m512& lo, __m512& hi) {
-  const uint8_t* p = w.qs + (o * w.blocks + b) * w.block_bytes();
-  if (w.four_bit) {
+// Block b of output row o as two vectors of weights (0..15 and 16..31). A 4-bit block: the
+// 16 levels d * k + m in one register, and each packed byte's nibbles pick their weights from
+// it (vpermps reads only the low 4 bits of each index, so the low nibble needs no mask). An
+// 8-bit block: its integers as floats, *not yet scaled* (the caller applies d once per block).
+template <bool FourBit>
+inline void weights(const uint8_t* p, float d, float m, __m512& lo, __m512& hi) {
+  if constexpr (FourBit) {
+    const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 table = _mm512_fmadd_ps(_mm512_set1_ps(d), levels, _mm512_set1_ps(m));
     const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    lo = _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15)));
-    hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
+    lo = _mm512_permutexvar_ps(q, table);
+    hi = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
   } else {
     lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
     hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
   }
 }
 
-// Ask for block b of row o (the next tile's) before it is needed: the rows of a matrix are
-// short streams (288 bytes for most of SmolLM2's 4-bit rows, 768 for down_proj), too short for the CPU's own prefetcher
-// to run ahead of, and every weight comes from memory once per token.
-inline void prefetch(const Matrix& w, int64_t o, int64_t b) {
-  if (o >= w.out) return;
-  _mm_prefetch(reinterpret_cast<const char*>(w.qs + (o * w.blocks + b) * w.block_bytes()), _MM_HINT_T0);
-  if (b % 32 == 0) {
-    _mm_prefetch(reinterpret_cast<const char*>(w.d + o * w.blocks + b), _MM_HINT_T0);
-    if (w.m) _mm_prefetch(reinterpret_cast<const char*>(w.m + o * w.blocks + b), _MM_HINT_T0);
-  }
+// 16 float16 values from p (fewer at the end of a row: the mask) as float32, one instruction.
+inline void halves_to_floats(const at::Half* p, int64_t n, float* out) {
+  _mm512_store_ps(out, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p)));
 }
 
-inline __m512 scale(const Matrix& w, int64_t o, int64_t b) {
-  return _mm512_set1_ps(to_float(w.d + o * w.blocks + b));
-}
-
-// O output rows times R input rows: O * R accumulators of 16 lanes, each block unpacked once
-// and used R times. One row (decode): sum q x first, then one multiply by d per block.
-// The blocks go by in chunks of 16, whose scales are converted to float32 16 at a time.
-template <int O, int R>
-void tile(const Matrix& w, const float* x, int64_t in, const float* xsum, float* y, int64_t o0) {
+// O output rows times R input rows: O * R accumulators of 16 lanes, each block turned into
+// weights once and used R times. The blocks go by in chunks of 16, whose scales (and
+// minimums) are converted to float32 16 at a time. One 8-bit row (decode): sum q x first,
+// then one multiply by d per block.
+//
+// The next tile's rows follow this tile's in memory, O * bytes per block of them: while this
+// tile reads block b, the next tile's bytes at the same distance are requested (prefetch), a
+// cache line per step. The rows of a matrix are short (288 bytes for most of SmolLM2's 4-bit
+// rows), too short for the CPU's own prefetcher to run ahead, and every weight comes from
+// memory once per token.
+template <Format F, int O, int R>
+void tile(const Matrix& w, const float* x, int64_t in, float* y, int64_t o0) {
+  constexpr bool FourBit = F != Format::q8_0;
+  constexpr int64_t bytes = FourBit ? 16 : 32;  // packed bytes per block
+  const int64_t blocks = w.blocks;
+  const uint8_t* q = w.qs + o0 * blocks * bytes;                  // row o0 + o starts at q + o * blocks * bytes
+  const uint8_t* next = q + O * blocks * bytes;                    // the next tile's first byte
+  const bool prefetch = o0 + 2 * O <= w.out;
   __m512 acc[O][R];
+#pragma GCC unroll 4
   for (int o = 0; o < O; ++o)
+#pragma GCC unroll 4
     for (int r = 0; r < R; ++r) acc[o][r] = _mm512_setzero_ps();
-  alignas(64) float scales[O][16];
-  for (int64_t chunk = 0; chunk < w.blocks; chunk += 16) {
-    const int64_t n = std::min<int64_t>(16, w.blocks - chunk);
+  alignas(64) float scales[O][16], minimums[O][16];
+  for (int64_t chunk = 0; chunk < blocks; chunk += 16) {
+    const int64_t n = std::min<int64_t>(16, blocks - chunk);
+#pragma GCC unroll 4
     for (int o = 0; o < O; ++o) {
-      const __m256i d16 = _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1),
-                                                   w.d + (o0 + o) * w.blocks + chunk);
-      _mm512_store_ps(scales[o], _mm512_cvtph_ps(d16));
+      halves_to_floats(w.d + (o0 + o) * blocks + chunk, n, scales[o]);
+      if (F == Format::q4_1) halves_to_floats(w.m + (o0 + o) * blocks + chunk, n, minimums[o]);
+      if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(w.d + (o0 + O + o) * blocks + chunk), _MM_HINT_T0);
+      if (prefetch && F == Format::q4_1)
+        _mm_prefetch(reinterpret_cast<const char*>(w.m + (o0 + O + o) * blocks + chunk), _MM_HINT_T0);
     }
-    for (int64_t b = chunk; b < chunk + n; ++b) {
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t b = chunk + i;
+      if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(next + b * O * bytes), _MM_HINT_T0);
       __m512 x_lo[R], x_hi[R];
+#pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         x_lo[r] = _mm512_loadu_ps(x + r * in + b * kBlock);
         x_hi[r] = _mm512_loadu_ps(x + r * in + b * kBlock + 16);
       }
+#pragma GCC unroll 4
       for (int o = 0; o < O; ++o) {
-        prefetch(w, o0 + O + o, b);
+        const float d = scales[o][i];
+        const float m = F == Format::q4_1 ? minimums[o][i] : F == Format::q4_0 ? -8.0f * d : 0.0f;
         __m512 lo, hi;
-        unpack(w, o0 + o, b, lo, hi);
-        const __m512 d = _mm512_set1_ps(scales[o][b - chunk]);
-        if (R == 1) {
+        weights<FourBit>(q + (o * blocks + b) * bytes, d, m, lo, hi);
+        if (!FourBit && R == 1) {
           const __m512 qx = _mm512_fmadd_ps(hi, x_hi[0], _mm512_mul_ps(lo, x_lo[0]));
-          acc[o][0] = _mm512_fmadd_ps(qx, d, acc[o][0]);
-        } else {
-          lo = _mm512_mul_ps(lo, d);
-          hi = _mm512_mul_ps(hi, d);
-          for (int r = 0; r < R; ++r)
-            acc[o][r] = _mm512_fmadd_ps(hi, x_hi[r], _mm512_fmadd_ps(lo, x_lo[r], acc[o][r]));
+          acc[o][0] = _mm512_fmadd_ps(qx, _mm512_set1_ps(d), acc[o][0]);
+          continue;
         }
+        if (!FourBit) {
+          lo = _mm512_mul_ps(lo, _mm512_set1_ps(d));
+          hi = _mm512_mul_ps(hi, _mm512_set1_ps(d));
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r)
+          acc[o][r] = _mm512_fmadd_ps(hi, x_hi[r], _mm512_fmadd_ps(lo, x_lo[r], acc[o][r]));
       }
     }
   }
+#pragma GCC unroll 4
   for (int o = 0; o < O; ++o)
-    for (int r = 0; r < R; ++r)
-      y[r * w.out + o0 + o] = _mm512_reduce_add_ps(acc[o][r]) + offset(w, o0 + o, xsum + r * w.blocks);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) y[r * w.out + o0 + o] = _mm512_reduce_add_ps(acc[o][r]);
 }
 
-// Output rows [begin, end) of the float matrix the blocks stand for, w = d q + offset.
+// Output rows [begin, end) of the float matrix the blocks stand for.
 void dequantize_rows(const Matrix& w, float* out, int64_t begin, int64_t end) {
   for (int64_t o = begin; o < end; ++o)
     for (int64_t b = 0; b < w.blocks; ++b) {
+      const float d = to_float(w.d + o * w.blocks + b);
+      const uint8_t* p = w.qs + (o * w.blocks + b) * w.block_bytes();
       __m512 lo, hi;
-      unpack(w, o, b, lo, hi);
-      const __m512 d = scale(w, o, b);
-      const float m = !w.four_bit ? 0.0f : w.q4_0 ? -8.0f * to_float(w.d + o * w.blocks + b)
-                                                   : to_float(w.m + o * w.blocks + b);
+      if (w.four_bit) {
+        weights<true>(p, d, w.minimum(o, b, d), lo, hi);
+      } else {
+        weights<false>(p, d, 0.0f, lo, hi);
+        lo = _mm512_mul_ps(lo, _mm512_set1_ps(d));
+        hi = _mm512_mul_ps(hi, _mm512_set1_ps(d));
+      }
       float* dst = out + (o * w.blocks + b) * kBlock;
-      _mm512_storeu_ps(dst, _mm512_fmadd_ps(lo, d, _mm512_set1_ps(m)));
-      _mm512_storeu_ps(dst + 16, _mm512_fmadd_ps(hi, d, _mm512_set1_ps(m)));
+      _mm512_storeu_ps(dst, lo);
+      _mm512_storeu_ps(dst + 16, hi);
     }
 }
 
 #else  // portable: the same sums, one weight at a time (the compiler vectorizes what it can)
 
-template <int O, int R>
-void tile(const Matrix& w, const float* x, int64_t in, const float* xsum, float* y, int64_t o0) {
+// Weight j of block b of output row o.
+inline float weight(const Matrix& w, int64_t o, int64_t b, int j, float d, float m) {
+  const uint8_t* p = w.qs + (o * w.blocks + b) * w.block_bytes();
+  if (!w.four_bit) return d * static_cast<float>(static_cast<int8_t>(p[j]));
+  return d * static_cast<float>(j < 16 ? (p[j] & 15) : (p[j - 16] >> 4)) + m;
+}
+
+template <Format F, int O, int R>
+void tile(const Matrix& w, const float* x, int64_t in, float* y, int64_t o0) {
   for (int o = 0; o < O; ++o) {
     const int64_t row = o0 + o;
     float acc[R] = {};
     for (int64_t b = 0; b < w.blocks; ++b) {
-      const uint8_t* p = w.qs + (row * w.blocks + b) * w.block_bytes();
       const float d = to_float(w.d + row * w.blocks + b);
+      const float m = w.four_bit ? w.minimum(row, b, d) : 0.0f;
       for (int j = 0; j < kBlock; ++j) {
-        const float q = w.four_bit ? static_cast<float>(j < 16 ? (p[j] & 15) : (p[j - 16] >> 4))
-                                   : static_cast<float>(static_cast<int8_t>(p[j]));
-        for (int r = 0; r < R; ++r) acc[r] += d * q * x[r * in + b * kBlock + j];
+        const float wj = weight(w, row, b, j, d, m);
+        for (int r = 0; r < R; ++r) acc[r] += wj * x[r * in + b * kBlock + j];
       }
     }
-    for (int r = 0; r < R; ++r) y[r * w.out + row] = acc[r] + offset(w, row, xsum + r * w.blocks);
+    for (int r = 0; r < R; ++r) y[r * w.out + row] = acc[r];
   }
 }
 
 void dequantize_rows(const Matrix& w, float* out, int64_t begin, int64_t end) {
   for (int64_t o = begin; o < end; ++o)
     for (int64_t b = 0; b < w.blocks; ++b) {
-      const uint8_t* p = w.qs + (o * w.blocks + b) * w.block_bytes();
       const float d = to_float(w.d + o * w.blocks + b);
-      const float m = !w.four_bit ? 0.0f : w.q4_0 ? -8.0f * d : to_float(w.m + o * w.blocks + b);
-      for (int j = 0; j < kBlock; ++j) {
-        const float q = w.four_bit ? static_cast<float>(j < 16 ? (p[j] & 15) : (p[j - 16] >> 4))
-                                   : static_cast<float>(static_cast<int8_t>(p[j]));
-        out[(o * w.blocks + b) * kBlock + j] = d * q + m;
-      }
+      const float m = w.four_bit ? w.minimum(o, b, d) : 0.0f;
+      for (int j = 0; j < kBlock; ++j) out[(o * w.blocks + b) * kBlock + j] = weight(w, o, b, j, d, m);
     }
 }
 
 #endif
 
 // Output rows [begin, end) for all input rows, in tiles that keep every accumulator and the
-// tile's x in the 32 vector registers: 4 input rows at a time, the remainder in 2/1. A single
-// input row (decode) walks the weight rows one after another: one sequential stream through
-// memory, which is what keeps the 8-bit rows from waiting on it.
-void rows(const Matrix& w, const float* x, int64_t n_rows, int64_t in, const float* xsum, float* y,
-          int64_t begin, int64_t end) {
+// tile's x in the 32 vector registers: 4 input rows at a time, the remainder in 2/1, and 4
+// output rows at a time. A single input row of an 8-bit matrix walks the weight rows one after
+// another instead: one sequential stream through memory, which keeps those rows (twice the
+// bytes of 4-bit ones) from waiting on it (measured: 4 rows at a time was 2x slower there).
+template <Format F>
+void rows(const Matrix& w, const float* x, int64_t n_rows, int64_t in, float* y, int64_t begin, int64_t end) {
   int64_t r = 0;
   auto run = [&](auto r_tile) {
     constexpr int R = decltype(r_tile)::value;
+    constexpr int O = (R > 1 || F != Format::q8_0) ? 4 : 1;
     int64_t o = begin;
-    for (; R > 1 && o + 4 <= end; o += 4) tile<4, R>(w, x + r * in, in, xsum + r * w.blocks, y + r * w.out, o);
-    for (; o < end; ++o) tile<1, R>(w, x + r * in, in, xsum + r * w.blocks, y + r * w.out, o);
+    for (; o + O <= end; o += O) tile<F, O, R>(w, x + r * in, in, y + r * w.out, o);
+    for (; o < end; ++o) tile<F, 1, R>(w, x + r * in, in, y + r * w.out, o);
     r += R;
   };
   while (n_rows - r >= 4) run(std::integral_constant<int, 4>{});
@@ -235,13 +258,14 @@ at::Tensor linear(const at::Tensor& x, const Matrix& w, const char* name) {
   }
   at::Tensor y = at::empty({n_rows, w.out}, x.options());
   const float* xp = x.data_ptr<float>();
-  std::vector<float> xsum(static_cast<size_t>(n_rows * w.blocks), 0.0f);  // each block's sum of x
-  if (w.four_bit)
-    for (int64_t i = 0; i < n_rows * w.blocks; ++i)
-      for (int64_t j = 0; j < kBlock; ++j) xsum[i] += xp[i * kBlock + j];
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, w.out, 64, [&](int64_t begin, int64_t end) {
-    rows(w, xp, n_rows, in, xsum.data(), yp, begin, end);
+    if (!w.four_bit)
+      rows<Format::q8_0>(w, xp, n_rows, in, yp, begin, end);
+    else if (w.q4_0)
+      rows<Format::q4_0>(w, xp, n_rows, in, yp, begin, end);
+    else
+      rows<Format::q4_1>(w, xp, n_rows, in, yp, begin, end);
   });
   return y;
 }
