@@ -98,12 +98,13 @@ inline void halves_to_floats(const at::Half* p, int64_t n, float* out) {
 
 // O output rows times R input rows: O * R accumulators of 16 lanes, each block turned into
 // weights once and used R times. The blocks go by in chunks of 16, whose scales (and
-// minimums) are converted to float32 16 at a time. One 8-bit row (decode): sum q x first,
-// then one multiply by d per block.
+// minimums) are converted to float32 16 at a time. An 8-bit block with one input row (decode):
+// sum q x first, then one multiply by d per block.
 //
 // The next tile's rows follow this tile's in memory, O * bytes per block of them: while this
-// tile reads block b, the next tile's bytes at the same distance are requested (prefetch), a
-// cache line per step. The rows of a matrix are short (288 bytes for most of SmolLM2's 4-bit
+// tile reads block b, the next tile's bytes at the same distance are requested (prefetch): one
+// cache line per block for 4-bit rows, two for 8-bit ones (asking for only one of the two made
+// 4-row tiles of 8-bit rows run 2x slower than single rows). The rows of a matrix are short (288 bytes for most of SmolLM2's 4-bit
 // rows), too short for the CPU's own prefetcher to run ahead, and every weight comes from
 // memory once per token.
 template <Format F, int O, int R>
@@ -132,7 +133,10 @@ void tile(const Matrix& w, const float* x, int64_t in, float* y, int64_t o0) {
     }
     for (int64_t i = 0; i < n; ++i) {
       const int64_t b = chunk + i;
-      if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(next + b * O * bytes), _MM_HINT_T0);
+      if (prefetch)
+#pragma GCC unroll 2
+        for (int64_t line = 0; line < O * bytes; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(next + b * O * bytes + line), _MM_HINT_T0);
       __m512 x_lo[R], x_hi[R];
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
@@ -224,16 +228,15 @@ void dequantize_rows(const Matrix& w, float* out, int64_t begin, int64_t end) {
 #endif
 
 // Output rows [begin, end) for all input rows, in tiles that keep every accumulator and the
-// tile's x in the 32 vector registers: 4 input rows at a time, the remainder in 2/1, and 4
-// output rows at a time. A single input row of an 8-bit matrix walks the weight rows one after
-// another instead: one sequential stream through memory, which keeps those rows (twice the
-// bytes of 4-bit ones) from waiting on it (measured: 4 rows at a time was 2x slower there).
+// tile's x in the 32 vector registers: 4 output rows at a time (four independent chains of
+// multiply-adds, even for one input row: one chain alone waits on each FMA's latency) times
+// 4 input rows, the remainder in 2/1.
 template <Format F>
 void rows(const Matrix& w, const float* x, int64_t n_rows, int64_t in, float* y, int64_t begin, int64_t end) {
   int64_t r = 0;
   auto run = [&](auto r_tile) {
     constexpr int R = decltype(r_tile)::value;
-    constexpr int O = (R > 1 || F != Format::q8_0) ? 4 : 1;
+    constexpr int O = 4;
     int64_t o = begin;
     for (; o + O <= end; o += O) tile<F, O, R>(w, x + r * in, in, y + r * w.out, o);
     for (; o < end; ++o) tile<F, 1, R>(w, x + r * in, in, y + r * w.out, o);
