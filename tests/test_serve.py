@@ -441,14 +441,17 @@ def test_serve_on_a_port_in_use_fails_cleanly():
     assert f"minillm: error: cannot listen on 127.0.0.1:{port}" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_the_serve_command_answers_and_stops_on_ctrl_c(tiny_folder):
+def test_the_serve_command_answers_and_stops_on_ctrl_c(tiny_folder, tmp_path):
     """The real command: the engine loop on its main thread, uvicorn on another; Ctrl-C ends an
     open stream with an error event and the process with 130."""
     with socket.create_server(("127.0.0.1", 0)) as probe:
         port = probe.getsockname()[1]
+    # The server's log goes to a file, not a pipe: while it compiles, every /health poll below
+    # logs a line, and a pipe nobody reads fills up (64 KB) and blocks the server mid-write.
+    log = (tmp_path / "stderr.txt").open("w+")
     process = subprocess.Popen([sys.executable, "-m", "minillm", "serve", "--model", str(tiny_folder), "--port",
                                 str(port), "--device", "cpu"], cwd=REPO, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+                               stderr=log, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 300  # the first run compiles the decode step
@@ -470,10 +473,12 @@ def test_the_serve_command_answers_and_stops_on_ctrl_c(tiny_folder):
             process.send_signal(signal.SIGINT)
             events = [line for line in lines if line.startswith("data: ")]
         assert process.wait(60) == 130
-        assert "minillm: interrupted" in process.stderr.read()
+        log.seek(0)
+        assert "minillm: interrupted" in log.read()
         assert process.stdout.read() == ""  # logs go to stderr: stdout is for results
         assert events[-1] == "data: [DONE]"
         ended = events[-2]  # the shutdown error, or the finish if the 500 tokens were faster than Ctrl-C
         assert "the server is shutting down" in ended or '"finish_reason": "length"' in ended
     finally:
         process.kill()
+        log.close()
