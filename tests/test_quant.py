@@ -150,10 +150,45 @@ def test_the_packed_kernel_refuses_what_it_cannot_read_naming_the_sizes():
         kernels.linear("q4_1", torch.randn(1, 32), blocks["qs"], blocks["d"], blocks["m"])
     with pytest.raises(RuntimeError, match=r"q4_linear: x must be a contiguous float32 CPU matrix.*Double"):
         kernels.linear("q4_1", torch.randn(1, 64, dtype=torch.float64), blocks["qs"], blocks["d"], blocks["m"])
-    with pytest.raises(RuntimeError, match=r"q8_0_linear: qs must be contiguous \[out, blocks, 32\] Char"):
+    with pytest.raises(RuntimeError, match=r"q8_0_linear: qs must be int8, got Byte"):
         kernels.linear("q8_0", torch.randn(1, 64), blocks["qs"], blocks["d"], None)
     with pytest.raises(RuntimeError, match=r"q4_linear: m must be contiguous float16 shaped like d"):
         kernels.linear("q4_1", torch.randn(1, 64), blocks["qs"], blocks["d"], blocks["m"][:, :1].contiguous())
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 3, 8, 40])  # decode, batched decode, and prefill (> 32 rows: dequantize + MKL)
+def test_matrices_that_share_an_input_run_in_one_call_with_each_ones_own_result(rows):
+    """``layers.linears`` on packed layers: one kernel call for q/k/v-like groups (here of three
+    formats and odd sizes), each result exactly what the layer alone computes — the kernel's sum
+    for an output row does not depend on which rows it shares the call with."""
+    from minillm.model.layers import linears
+
+    torch.manual_seed(rows)
+    group = [QuantizedLinear.from_float(torch.randn(out, 96), fmt, bias=torch.randn(out) if out == 5 else None)
+             for out, fmt in [(70, "q4_1"), (5, "q8_0"), (131, "q4_0"), (64, "q4_1")]]
+    x = torch.randn(rows, 96)
+    together = linears(x, group)
+    alone = [layer(x) for layer in group]
+    assert [tuple(y.shape) for y in together] == [(rows, 70), (rows, 5), (rows, 131), (rows, 64)]
+    assert all(torch.equal(a, b) for a, b in zip(together, alone))
+    compiled = torch.compile(lambda x: linears(x, group), fullgraph=True, dynamic=False)
+    assert all(torch.equal(a, b) for a, b in zip(compiled(x), alone))
+    mixed = [group[0], torch.nn.Linear(96, 7)]  # not all packed: each layer on its own
+    assert torch.equal(linears(x, mixed)[1], mixed[1](x))
+
+
+@needs_kernels
+def test_one_call_for_several_matrices_refuses_what_it_cannot_read():
+    a, b = quantize(torch.randn(8, 64), "q4_1"), quantize(torch.randn(4, 32), "q8_0")
+    with pytest.raises(RuntimeError, match=r"packed_linears: x has 64 features, the weight takes 32 \(1 blocks of 32\)"):
+        kernels.linears(torch.randn(1, 64), [a["qs"], b["qs"]], [a["d"], b["d"]], [a["m"], None])
+    with pytest.raises(RuntimeError, match=r"packed_linears: one qs, d and m per matrix, got 2, 1 and 2"):
+        kernels.linears(torch.randn(1, 64), [a["qs"], a["qs"]], [a["d"]], [a["m"], a["m"]])
+    with pytest.raises(RuntimeError, match=r"packed_linears: Q8_0 blocks have no minimums"):
+        kernels.linears(torch.randn(1, 32), [b["qs"]], [b["d"]], [b["d"]])
+    with pytest.raises(ValueError, match=r"a Q8_0 layer of 32 inputs and 4 outputs got an input of shape \[1, 64\]"):
+        QuantizedLinear.many(torch.randn(1, 64), [QuantizedLinear("q4_1", **a), QuantizedLinear("q8_0", **b)])
 
 
 def _python(code: str, **env: str) -> subprocess.CompletedProcess:

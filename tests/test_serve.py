@@ -449,9 +449,12 @@ def test_the_serve_command_answers_and_stops_on_ctrl_c(tiny_folder, tmp_path):
     # The server's log goes to a file, not a pipe: while it compiles, every /health poll below
     # logs a line, and a pipe nobody reads fills up (64 KB) and blocks the server mid-write.
     log = (tmp_path / "stderr.txt").open("w+")
+    # SIGINT at its default in the server, whatever this process inherited: a shell starts a
+    # background job (`make test &` in a script, `nohup ... &`) with SIGINT *ignored*, children
+    # inherit that, and a server that ignores Ctrl-C would never stop here.
     process = subprocess.Popen([sys.executable, "-m", "minillm", "serve", "--model", str(tiny_folder), "--port",
                                 str(port), "--device", "cpu"], cwd=REPO, stdout=subprocess.PIPE,
-                               stderr=log, text=True)
+                               stderr=log, text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 300  # the first run compiles the decode step

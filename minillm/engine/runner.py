@@ -242,6 +242,13 @@ class ModelRunner:
             self._decode = functools.partial(decode_step, regions=CompiledRegions())
         elif compile:  # layers that differ (a file mixing block formats): one program, every guard kept
             self._decode = torch.compile(decode_step, fullgraph=True, dynamic=False)
+        if compile and not self.on_cuda:
+            # Any pool and block size: engines of one model share the programs. Marked once here
+            # (the mark stays on the tensors; marking 60 pools at every step cost ~0.4 ms).
+            for pool in cache.k + cache.v:
+                torch._dynamo.mark_dynamic(pool, 0)
+                if pool.shape[2] > 1:  # block_size 1 is its own program (size-1 dimensions specialize)
+                    torch._dynamo.mark_dynamic(pool, 2)
 
     @torch.inference_mode()
     def prefill(self, seq_ids: Sequence[int], token_lists: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -284,10 +291,6 @@ class ModelRunner:
                 for tensor in args[1:7]:
                     torch._dynamo.mark_dynamic(tensor, 0)
             torch._dynamo.mark_dynamic(batch.block_tables, 1)
-            for pool in self.cache.k + self.cache.v:  # any pool and block size: engines of one model share it
-                torch._dynamo.mark_dynamic(pool, 0)
-                if pool.shape[2] > 1:  # block_size 1 is its own program (size-1 dimensions specialize)
-                    torch._dynamo.mark_dynamic(pool, 2)
         variant = "rows=1" if rows == 1 else "rows>1"
         start = time.perf_counter()
         logits = self._decode(*args)[:rows]

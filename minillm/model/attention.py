@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from minillm.model import kernels
 from minillm.model.config import ModelConfig
-from minillm.model.layers import Linear
+from minillm.model.layers import Linear, linears
 from minillm.model.rope import apply_rope
 
 if TYPE_CHECKING:
@@ -100,9 +100,10 @@ class Attention(torch.nn.Module):
         which of the cache's layers they are (default: this module's own index)."""
         layer = self.layer_idx if layer_idx is None else layer_idx
         batch, seq, _ = x.shape
-        q = self.q_proj(x).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = linears(x, (self.q_proj, self.k_proj, self.v_proj))
+        q = q.view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if getattr(cache, "reads_in_place", False):  # the paged step: it attends through its block tables
             out = cache.attend(layer, q, k, v)

@@ -35,6 +35,7 @@ package), including its rounding: half away from zero for Q8_0, ``trunc(x + 0.5)
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Optional
 
 import numpy as np
@@ -191,10 +192,26 @@ class QuantizedLinear(torch.nn.Module):
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize(self.fmt, self.qs, self.d, self.m, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _check_input(self, x: torch.Tensor) -> None:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"a {self.fmt.upper()} layer of {self.in_features} inputs and {self.out_features} outputs "
                              f"got an input of shape {list(x.shape)}")
+
+    @staticmethod
+    def many(x: torch.Tensor, layers: Sequence[QuantizedLinear]) -> list[torch.Tensor]:
+        """``[layer(x) for layer in layers]`` in one kernel call on a CPU (``layers.linears``):
+        a layer's q/k/v or gate/up, whatever their formats."""
+        for layer in layers:
+            layer._check_input(x)
+        if not (x.device.type == "cpu" and kernels.available()):
+            return [layer(x) for layer in layers]
+        rows = x.reshape(-1, x.shape[-1]).float().contiguous()
+        ys = kernels.linears(rows, [layer.qs for layer in layers], [layer.d for layer in layers],
+                             [layer.m for layer in layers])
+        return [layer._add_bias(y.to(x.dtype)).view(*x.shape[:-1], -1) for layer, y in zip(layers, ys)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x)
         if x.device.type == "cpu" and kernels.available():
             y = kernels.linear(self.fmt, x.reshape(-1, self.in_features).float().contiguous(), self.qs, self.d, self.m)
             return self._add_bias(y.to(x.dtype)).view(*x.shape[:-1], -1)

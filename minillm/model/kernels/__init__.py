@@ -84,6 +84,15 @@ def linear(fmt: str, x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: Opti
     return torch.ops.minillm.q4_linear(x, qs, d, m if fmt == "q4_1" else None)
 
 
+def linears(x: torch.Tensor, qs: list[torch.Tensor], d: list[torch.Tensor],
+            m: list[Optional[torch.Tensor]]) -> list[torch.Tensor]:
+    """``x`` [rows, in] times several packed matrices that read it (a layer's q, k and v): one
+    ``[rows, out_i]`` per matrix, the cores splitting all their rows in one pass. Each matrix is
+    ``qs[i], d[i], m[i]`` as in ``linear``; its format follows from them (int8 ``qs``: Q8_0;
+    uint8 with ``m``: Q4_1; without: Q4_0)."""
+    return torch.ops.minillm.packed_linears(x, qs, d, m)
+
+
 def f32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x`` [rows, in] float32 times ``weight`` [out, in] transposed: [rows, out]."""
     return torch.ops.minillm.f32_linear(x, weight)
@@ -107,6 +116,8 @@ def _register_shapes() -> None:
 
     torch.library.register_fake("minillm::q8_0_linear", fake_linear)
     torch.library.register_fake("minillm::q4_linear", fake_linear)
+    torch.library.register_fake("minillm::packed_linears",
+                                lambda x, qs, d, m: [x.new_empty(x.shape[0], q.shape[0]) for q in qs])
     torch.library.register_fake("minillm::paged_decode_attention", fake_attention)
     torch.library.register_fake("minillm::f32_linear", lambda x, weight: x.new_empty(x.shape[0], weight.shape[0]))
 

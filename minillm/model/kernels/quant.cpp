@@ -27,6 +27,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
+#include <vector>
 
 #if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
@@ -247,58 +249,89 @@ void rows(const Matrix& w, const float* x, int64_t n_rows, int64_t in, float* y,
   if (n_rows - r >= 1) run(std::integral_constant<int, 1>{});
 }
 
-at::Tensor linear(const at::Tensor& x, const Matrix& w, const char* name) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
-              name, ": x must be a contiguous float32 CPU matrix [rows, in], got ", x.sizes(), " ", x.scalar_type());
-  TORCH_CHECK(x.size(1) == w.blocks * kBlock, name, ": x has ", x.size(1), " features, the weight takes ",
-              w.blocks * kBlock, " (", w.blocks, " blocks of 32)");
-  const int64_t n_rows = x.size(0), in = x.size(1);
-  if (n_rows > kPackedRows) {  // prefill: a float copy of this one matrix, then MKL's product
-    at::Tensor weight = at::empty({w.out, in}, x.options());
-    float* wp = weight.data_ptr<float>();
-    at::parallel_for(0, w.out, 16, [&](int64_t begin, int64_t end) { dequantize_rows(w, wp, begin, end); });
-    return at::mm(x, weight.t());
-  }
-  at::Tensor y = at::empty({n_rows, w.out}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, w.out, 64, [&](int64_t begin, int64_t end) {
-    if (!w.four_bit)
-      rows<Format::q8_0>(w, xp, n_rows, in, yp, begin, end);
-    else if (w.q4_0)
-      rows<Format::q4_0>(w, xp, n_rows, in, yp, begin, end);
-    else
-      rows<Format::q4_1>(w, xp, n_rows, in, yp, begin, end);
-  });
-  return y;
+// Output rows [begin, end) of one matrix, for all input rows, in the matrix's own format.
+void rows_of(const Matrix& w, const float* x, int64_t n_rows, int64_t in, float* y, int64_t begin, int64_t end) {
+  if (!w.four_bit)
+    rows<Format::q8_0>(w, x, n_rows, in, y, begin, end);
+  else if (w.q4_0)
+    rows<Format::q4_0>(w, x, n_rows, in, y, begin, end);
+  else
+    rows<Format::q4_1>(w, x, n_rows, in, y, begin, end);
 }
 
-void check_blocks(const at::Tensor& qs, const at::Tensor& d, int64_t block_bytes, at::ScalarType type,
-                  const char* name) {
-  TORCH_CHECK(qs.device().is_cpu() && qs.dim() == 3 && qs.size(2) == block_bytes && qs.scalar_type() == type &&
-                  qs.is_contiguous(),
-              name, ": qs must be contiguous [out, blocks, ", block_bytes, "] ", type, ", got ", qs.sizes(), " ",
-              qs.scalar_type());
+// x times each of several matrices that share it (a layer's q/k/v, or gate/up): one result per
+// matrix. For a decode step the cores split *all* their output rows between them in one
+// parallel region (one fork and join instead of one per matrix, and the small k/v matrices no
+// longer leave a core idle).
+std::vector<at::Tensor> linears(const at::Tensor& x, const std::vector<Matrix>& ws, const char* name) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
+              name, ": x must be a contiguous float32 CPU matrix [rows, in], got ", x.sizes(), " ", x.scalar_type());
+  const int64_t n_rows = x.size(0), in = x.size(1);
+  std::vector<at::Tensor> ys;
+  for (const Matrix& w : ws) {
+    TORCH_CHECK(in == w.blocks * kBlock, name, ": x has ", in, " features, the weight takes ", w.blocks * kBlock,
+                " (", w.blocks, " blocks of 32)");
+    if (n_rows > kPackedRows) {  // prefill: a float copy of this one matrix, then MKL's product
+      at::Tensor weight = at::empty({w.out, in}, x.options());
+      float* wp = weight.data_ptr<float>();
+      at::parallel_for(0, w.out, 16, [&](int64_t begin, int64_t end) { dequantize_rows(w, wp, begin, end); });
+      ys.push_back(at::mm(x, weight.t()));
+    } else {
+      ys.push_back(at::empty({n_rows, w.out}, x.options()));
+    }
+  }
+  if (n_rows > kPackedRows) return ys;
+  int64_t total = 0;  // the matrices' output rows, end to end
+  for (const Matrix& w : ws) total += w.out;
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, total, 64, [&](int64_t begin, int64_t end) {
+    int64_t first = 0;  // the row of the whole list where matrix i starts
+    for (size_t i = 0; i < ws.size(); first += ws[i].out, ++i) {
+      const int64_t lo = std::max(begin, first), hi = std::min(end, first + ws[i].out);
+      if (lo < hi) rows_of(ws[i], xp, n_rows, in, ys[i].data_ptr<float>(), lo - first, hi - first);
+    }
+  });
+  return ys;
+}
+
+Matrix blocks(const at::Tensor& qs, const at::Tensor& d, const std::optional<at::Tensor>& m, const char* name) {
+  const bool eight_bit = qs.scalar_type() == at::kChar;
+  const int64_t block_bytes = eight_bit ? 32 : 16;
+  TORCH_CHECK(qs.device().is_cpu() && qs.dim() == 3 && qs.size(2) == block_bytes &&
+                  (eight_bit || qs.scalar_type() == at::kByte) && qs.is_contiguous(),
+              name, ": qs must be contiguous [out, blocks, 32] int8 (Q8_0) or [out, blocks, 16] uint8 (Q4), got ",
+              qs.sizes(), " ", qs.scalar_type());
   TORCH_CHECK(d.scalar_type() == at::kHalf && d.is_contiguous() && d.dim() == 2 && d.size(0) == qs.size(0) &&
                   d.size(1) == qs.size(1),
               name, ": d must be contiguous float16 [out, blocks] = ", qs.sizes().slice(0, 2), ", got ", d.sizes(),
               " ", d.scalar_type());
+  TORCH_CHECK(!(m && eight_bit), name, ": Q8_0 blocks have no minimums (m)");
+  if (m) TORCH_CHECK(m->scalar_type() == at::kHalf && m->is_contiguous() && m->sizes() == d.sizes(),
+                     name, ": m must be contiguous float16 shaped like d ", d.sizes(), ", got ", m->sizes());
+  return Matrix{static_cast<const uint8_t*>(qs.data_ptr()), d.data_ptr<at::Half>(), m ? m->data_ptr<at::Half>() : nullptr,
+                qs.size(0), qs.size(1), !eight_bit, !eight_bit && !m};
 }
 
 at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d) {
-  check_blocks(qs, d, 32, at::kChar, "q8_0_linear");
-  Matrix w{reinterpret_cast<const uint8_t*>(qs.data_ptr<int8_t>()), d.data_ptr<at::Half>(), nullptr, qs.size(0), qs.size(1), false, false};
-  return linear(x, w, "q8_0_linear");
+  TORCH_CHECK(qs.scalar_type() == at::kChar, "q8_0_linear: qs must be int8, got ", qs.scalar_type());
+  return linears(x, {blocks(qs, d, std::nullopt, "q8_0_linear")}, "q8_0_linear")[0];
 }
 
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                      const std::optional<at::Tensor>& m) {
-  check_blocks(qs, d, 16, at::kByte, "q4_linear");
-  if (m) TORCH_CHECK(m->scalar_type() == at::kHalf && m->is_contiguous() && m->sizes() == d.sizes(),
-                     "q4_linear: m must be contiguous float16 shaped like d ", d.sizes(), ", got ", m->sizes());
-  Matrix w{qs.data_ptr<uint8_t>(), d.data_ptr<at::Half>(), m ? m->data_ptr<at::Half>() : nullptr,
-           qs.size(0), qs.size(1), true, !m};
-  return linear(x, w, "q4_linear");
+  TORCH_CHECK(qs.scalar_type() == at::kByte, "q4_linear: qs must be uint8, got ", qs.scalar_type());
+  return linears(x, {blocks(qs, d, m, "q4_linear")}, "q4_linear")[0];
+}
+
+// Several matrices in any of the three formats (Q8_0: int8 qs; Q4_1: uint8 qs with m; Q4_0:
+// uint8 qs without).
+std::vector<at::Tensor> packed_linears(const at::Tensor& x, at::TensorList qs, at::TensorList d,
+                                       const c10::List<std::optional<at::Tensor>>& m) {
+  TORCH_CHECK(qs.size() == d.size() && qs.size() == m.size() && !qs.empty(),
+              "packed_linears: one qs, d and m per matrix, got ", qs.size(), ", ", d.size(), " and ", m.size());
+  std::vector<Matrix> ws;
+  for (size_t i = 0; i < qs.size(); ++i) ws.push_back(blocks(qs[i], d[i], m.get(i), "packed_linears"));
+  return linears(x, ws, "packed_linears");
 }
 
 }  // namespace
@@ -306,9 +339,11 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
 TORCH_LIBRARY(minillm, lib) {
   lib.def("q8_0_linear(Tensor x, Tensor qs, Tensor d) -> Tensor");
   lib.def("q4_linear(Tensor x, Tensor qs, Tensor d, Tensor? m) -> Tensor");
+  lib.def("packed_linears(Tensor x, Tensor[] qs, Tensor[] d, Tensor?[] m) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(minillm, CPU, lib) {
   lib.impl("q8_0_linear", &q8_0_linear);
   lib.impl("q4_linear", &q4_linear);
+  lib.impl("packed_linears", &packed_linears);
 }
