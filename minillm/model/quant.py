@@ -203,8 +203,14 @@ class QuantizedLinear(torch.nn.Module):
         a layer's q/k/v or gate/up, whatever their formats."""
         for layer in layers:
             layer._check_input(x)
-        if not (x.device.type == "cpu" and kernels.available()):
-            return [layer(x) for layer in layers]
+        if x.device.type == "cpu" and kernels.available():
+            return QuantizedLinear._packed(x, layers)
+        return [layer(x) for layer in layers]
+
+    @staticmethod
+    def _packed(x: torch.Tensor, layers: Sequence[QuantizedLinear]) -> list[torch.Tensor]:
+        """The kernel's products of ``x`` with each layer's blocks (the CPU path of ``forward``
+        and ``many``), in ``x``'s dtype and shape."""
         rows = x.reshape(-1, x.shape[-1]).float().contiguous()
         ys = kernels.linears(rows, [layer.qs for layer in layers], [layer.d for layer in layers],
                              [layer.m for layer in layers])
@@ -213,8 +219,7 @@ class QuantizedLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
         if x.device.type == "cpu" and kernels.available():
-            y = kernels.linear(self.fmt, x.reshape(-1, self.in_features).float().contiguous(), self.qs, self.d, self.m)
-            return self._add_bias(y.to(x.dtype)).view(*x.shape[:-1], -1)
+            return self._packed(x, [self])[0]
         if torch.compiler.is_compiling() and x.device.type == "cpu" and x.shape[:-1].numel() == 1:
             y = self._matvec(x.reshape(-1, BLOCK_SIZE).float()).to(x.dtype)
             return self._add_bias(y).view(*x.shape[:-1], -1)
