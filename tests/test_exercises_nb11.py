@@ -265,7 +265,12 @@ def test_offset_through_the_package_kernel_breaks_the_rule(capsys):
     def through_kernel(x, qs, d, m):
         return QuantizedLinear("q4_1", qs, d, m)(x[None])[0]
 
+    def through_raw_kernel(x, qs, d, m):
+        return kernels.linear("q4_1", x[None], qs, d, m)[0]
+
     assert nb11.check_q4_1_offset_matvec(through_kernel) is False
+    assert "it calls `packed_linears`" in capsys.readouterr().out
+    assert nb11.check_q4_1_offset_matvec(through_raw_kernel) is False
     assert "it calls `q4_linear`" in capsys.readouterr().out
 
 

@@ -293,7 +293,10 @@ NO_WEIGHTS = forbid_copies({3: "m"}, "that builds the dequantized weights d·q +
 NO_PACKAGE_PRODUCT = forbid_calls({"linear": "F.linear on a dequantized matrix is the reference you are checked "
                                              "against; write the product from the blocks.",
                                    "q4_linear": "that is the package's kernel, the very thing you are writing; "
-                                                "write the product from the blocks."})
+                                                "write the product from the blocks.",
+                                   "packed_linears": "that is the package's kernel (what QuantizedLinear calls), "
+                                                     "the very thing you are writing; write the product from the "
+                                                     "blocks."})
 
 
 def check_q4_1_offset_matvec(fn: Callable[..., torch.Tensor], hint: int = 0) -> bool:
