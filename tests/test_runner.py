@@ -77,11 +77,14 @@ def test_compiled_engine_equals_eager_engine_and_compiles_two_programs(tiny_llam
     assert set(engine.runner.compile_seconds) == {"rows=1", "rows>1"}
 
 
-def test_a_group_guards_its_first_layer_and_a_model_whose_layers_differ_keeps_every_guard(tiny_llama):
-    """A compiled group of layers keeps dynamo's guards on its first layer only. A model changed
-    in *every* layer (all Q8_0) fails those guards and gets its own program; a model whose
-    later layers differ from its first (one Q8_0 matrix in layer 1) is not run by the groups at
-    all (the whole step is compiled, every guard kept). Both answer like the eager engine."""
+def test_a_model_changed_under_a_running_engine_is_planned_again_and_a_model_whose_layers_differ_keeps_every_guard(
+        tiny_llama):
+    """The regions check their programs' guards once per signature, so the runner checks the
+    model itself: a model quantized in place *after* an engine compiled its step (every layer
+    changes) is seen before the next step, by that same engine, which then runs a program for
+    the new structure. A model whose later layers differ from its first (one Q8_0 matrix in
+    layer 1) is not run by the groups at all (the whole step is compiled, every guard kept).
+    Each answers like the eager engine."""
     from minillm.model import quant
 
     folder, _, _ = tiny_llama
@@ -89,35 +92,65 @@ def test_a_group_guards_its_first_layer_and_a_model_whose_layers_differ_keeps_ev
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     model, tok = load_model(folder, device="cpu")
     first = Engine(model, tok, compile=True)
-    assert isinstance(first.runner._decode, runner_module.functools.partial)  # the regions
+    assert first.runner.regions is not None
     first.generate(prompts, params)
+    programs = {kind: len(built) for kind, built in runner_module.CompiledRegions._built.items()}
 
-    quant.quantize_model(model, "q8_0")  # every layer changes: the guards on layer 0 see it
-    every = Engine(model, tok, compile=True)
-    assert runner_module.uniform(model, every.cache)
-    assert [c.token_ids for c in every.generate(prompts, params)] == \
-        [c.token_ids for c in Engine(model, tok, compile=False).generate(prompts, params)]
+    quant.quantize_model(model, "q8_0")  # every layer changes, under the running engine
+    assert runner_module.uniform(model, first.cache)
+    eager = [c.token_ids for c in Engine(model, tok, compile=False).generate(prompts, params)]
+    assert [c.token_ids for c in first.generate(prompts, params)] == eager
+    assert all(len(runner_module.CompiledRegions._built[kind]) > programs[kind] for kind in programs)  # new ones
+    assert [c.token_ids for c in Engine(model, tok, compile=True).generate(prompts, params)] == eager
 
     mixed, tok = load_model(folder, device="cpu")
     down = mixed.layers[1].mlp.down_proj
     quant.use_blocks(mixed, {"layers.1.mlp.down_proj": ("q8_0", quant.quantize(down.weight, "q8_0"))})
     engine = Engine(mixed, tok, compile=True)
     assert not runner_module.uniform(mixed, engine.cache)
-    assert not isinstance(engine.runner._decode, runner_module.functools.partial)  # the whole step
+    assert engine.runner.regions is None  # the whole step
     assert [c.token_ids for c in engine.generate(prompts, params)] == \
         [c.token_ids for c in Engine(mixed, tok, compile=False).generate(prompts, params)]
 
 
-def test_the_guard_filter_drops_only_later_layers_and_pools():
-    class Guard:
-        def __init__(self, name: str) -> None:
-            self.name = name
+def test_the_structure_fingerprint_sees_swapped_modules_and_converted_tensors(tiny_llama):
+    from minillm.model import quant
 
-    names = ["layers[0]._modules['mlp']", "layers[1]._modules['mlp']", "layers[12].weight", "k_pools[0]",
-             "v_pools[3]", "x", "block_tables", "positions"]
-    kept = runner_module._guards_of_first_layer([Guard(name) for name in names])
-    assert [name for name, keep in zip(names, kept) if keep] == ["layers[0]._modules['mlp']", "k_pools[0]", "x",
-                                                                  "block_tables", "positions"]
+    folder, _, _ = tiny_llama
+    model, _ = load_model(folder, device="cpu")
+    before = runner_module.structure_fingerprint(model)
+    assert runner_module.structure_fingerprint(model) == before  # nothing changed
+    model.layers[0].input_layernorm.to(torch.float64)  # a tensor converted in place (the same Parameter)
+    converted = runner_module.structure_fingerprint(model)
+    assert converted != before
+    down = model.layers[0].mlp.down_proj
+    quant.use_blocks(model, {"layers.0.mlp.down_proj": ("q8_0", quant.quantize(down.weight, "q8_0"))})
+    assert runner_module.structure_fingerprint(model) != converted  # a module swapped
+
+
+def test_regions_check_the_guards_of_each_new_signature_once(tiny_llama, monkeypatch):
+    """A program's guards run the first time a signature (the step tensors' shapes) comes by,
+    never again for it; a signature no program accepts gets a program of its own."""
+    _, model, tok = tiny_llama
+    engine = Engine(model, tok, compile=True, block_size=8)
+    engine.generate([[3, 1, 4]], SamplingParams(max_new_tokens=4, ignore_eos=True))  # builds (or finds) the programs
+    checks: list[object] = []
+    original = runner_module._guards_pass
+
+    def counting(program, args):
+        checks.append(program)
+        return original(program, args)
+
+    monkeypatch.setattr(runner_module, "_guards_pass", counting)
+    accepted = len(engine.runner.regions._accepted)
+    engine.generate([[3, 1, 4]], SamplingParams(max_new_tokens=4, ignore_eos=True))  # the same signatures
+    assert checks == [] and len(engine.runner.regions._accepted) == accepted
+    longer = ([list(range(5, 30))], SamplingParams(max_new_tokens=20, ignore_eos=True))
+    engine.generate(*longer)  # wider block tables: new signatures, each checked
+    assert checks and len(engine.runner.regions._accepted) > accepted
+    seen = len(checks)
+    engine.generate(*longer)  # and never again
+    assert len(checks) == seen
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])  # qwen2: q/k/v biases in the compiled Linear

@@ -33,12 +33,16 @@ guards). One-layer regions started faster still (3 s) but decoded 20 % slower, h
 
 Those guards are dynamo's checks, before every call, that the inputs still look like the ones
 the program was compiled for: ~1,600 per group (every weight's dtype, shape and strides, every
-module's type and attributes), 40-90 µs warm and up to ~500 µs with cold caches per call, which
-was ~1-2 ms of a ~12 ms token with packed weights. The groups keep the guards on their *first*
-layer and pools only (``_guards_of_first_layer``): the runner checks once, when it is built,
-that every layer of the model has the first one's structure (``layer_structure``) — so a
-guard on layer 0 speaks for the group — and compiles the whole step, all guards kept, for a
-model whose layers differ.
+module's type and attributes). Measured on the course machine, going through them (and
+gathering the ~180 inputs from the modules) cost 0.3-0.45 ms per group call, ~1.5-2 ms of a
+native token. So the regions check them *once per signature* instead (``CompiledRegions``):
+each program is built ahead of time and called directly, its guards checked the first time a
+new shape of the step's tensors comes by. What the guards said about the weights, the runner
+now says: once, when it is built, that every layer has the first one's structure (``uniform``:
+the guards checked on the first group speak for the others), and before every
+step, in ~10 µs, that the first layer, the norm and the LM head are the modules and tensors
+they were (``structure_fingerprint``); when they are not, it plans again. A model whose layers
+differ gets the whole step compiled, every guard kept.
 
 On CUDA the whole step is compiled with ``mode="reduce-overhead"``: each step is replayed as a
 CUDA graph (one launch instead of hundreds), one graph per bucket of rows and table width, the
@@ -49,11 +53,11 @@ nano-vllm do. Inductor keeps its compiled code on disk, so later processes start
 from __future__ import annotations
 
 import functools
-import re
 import shutil
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -151,39 +155,81 @@ class CompiledRegions:
     The step's inputs arrive with their varying dimensions marked dynamic by the runner; the
     activations made inside the step (``x``, ``cos``, ``sin``) get their row dimension marked
     here, so that every row count above one shares one program.
+
+    **Guards checked once per input shape, not at every call.** A function compiled by
+    ``torch.compile`` checks its guards at every call: that the inputs still look like the ones
+    the program was built for. For a group of 6 layers that is ~150 weight tensors and their
+    modules; measured on the course machine, calling a group through dynamo took 0.3-0.45 ms
+    more than running its compiled code (~1.5-2 ms of an 8-11 ms token with packed weights).
+    So each program is built ahead of time (``aot_compile``) and called directly; its guards
+    are checked once for each new *signature* (the shapes and dtypes of the step's tensors and
+    pools) and remembered: a new signature that no program accepts gets a new program, as a
+    failed guard would. The weights are the runner's business: it checks the model's structure
+    before every step (``structure_fingerprint``) and calls ``forget`` when it changed.
     """
 
     # Inductor's generated code checks the size and stride of every input and of every result of
     # an op it calls out to (a debugging aid): ~200 checks per group of 6 layers with packed
-    # weights, each a call from Python. Dynamo's guards already check the inputs before the
-    # program runs, and the packed-weight ops return what they declare (tested), so the regions
-    # skip them: measured 0.8-3.2 ms less per token on the course machine (native weights).
+    # weights, each a call from Python. The guards already check the inputs before the program
+    # runs, and the packed-weight ops return what they declare (tested), so the regions skip
+    # them: measured 0.8-3.2 ms less per token on the course machine (native weights).
     OPTIONS = {"size_asserts": False, "alignment_asserts": False}
 
+    # The programs built in this process, shared by every runner (engines of one model, or of
+    # models with the same structure, run the same programs: the weights are inputs).
+    _built: dict[str, list[Callable[..., torch.Tensor]]] = {"layers": [], "logits": []}
+
     def __init__(self) -> None:
-        options = dict(self.OPTIONS, guard_filter_fn=_guards_of_first_layer)
-        self._layers = torch.compile(decode_layers, fullgraph=True, dynamic=False, options=options)
+        self._layers = torch.compile(decode_layers, fullgraph=True, dynamic=False, options=self.OPTIONS)
         self._logits = torch.compile(decode_logits, fullgraph=True, dynamic=False, options=self.OPTIONS)
+        self._accepted: dict[tuple, Callable[..., torch.Tensor]] = {}  # signature -> the program whose guards passed
 
     def layers(self, layers: tuple[Block, ...], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               *step: object) -> torch.Tensor:
+               *step: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
         _mark_rows_dynamic(x, cos, sin)
-        return self._layers(layers, x, cos, sin, *step)
+        args = (layers, x, cos, sin, *step)
+        k_pools, block_tables = step[0], step[5]
+        signature = ("layers", len(layers), x.dtype, x.shape, k_pools[0].shape, block_tables.shape)  # type: ignore[union-attr]
+        return self._program(self._layers, "layers", signature, args)(*args)
 
     def logits(self, norm: RMSNorm, lm_head: Linear, x: torch.Tensor) -> torch.Tensor:
         _mark_rows_dynamic(x)
-        return self._logits(norm, lm_head, x)
+        args = (norm, lm_head, x)
+        return self._program(self._logits, "logits", ("logits", x.dtype, x.shape), args)(*args)
+
+    def forget(self) -> None:
+        """Check the guards again at the next call of each signature (the model changed)."""
+        self._accepted.clear()
+
+    def _program(self, compiled: Callable[..., torch.Tensor], kind: str, signature: tuple,
+                 args: tuple) -> Callable[..., torch.Tensor]:
+        program = self._accepted.get(signature)
+        if program is None:
+            program = next((p for p in self._built[kind] if _guards_pass(p, args)), None)
+            if program is None:
+                program = _build(compiled, args)
+                self._built[kind].append(program)
+            self._accepted[signature] = program
+        return program
 
 
-_LATER_LAYER = re.compile(r"(layers|k_pools|v_pools)\[([1-9]\d*)\]")
+def _build(compiled: Any, args: tuple) -> Callable[..., torch.Tensor]:
+    """A compiled function's program for ``args``, built now and called without its guards;
+    where ahead-of-time building is unavailable (say, inductor's caches are disabled), the
+    compiled function itself, which checks its guards at every call."""
+    try:
+        program = compiled.aot_compile((args, {}))
+    except Exception as error:  # noqa: BLE001 (any failure: the guarded function still works)
+        print(f"minillm: ahead-of-time compile unavailable ({type(error).__name__}: {error}); "
+              "calling the compiled step with its guards", file=sys.stderr)
+        return compiled
+    program.disable_guard_check()  # checked by CompiledRegions, once per signature
+    return program
 
 
-def _guards_of_first_layer(guards: list) -> list[bool]:
-    """Which of a compiled group's guards to keep: all but those on its second and later layers
-    and pools, which have the first one's structure (checked by ``uniform``, or the group is
-    never compiled). Dynamo passes every guard it built; those named ``layers[i]...`` or
-    ``k_pools[i]`` with ``i > 0`` are dropped."""
-    return [_LATER_LAYER.match(guard.name) is None for guard in guards]
+def _guards_pass(program: Any, args: tuple) -> bool:
+    check = getattr(program, "guard_check", None)
+    return check(*args) if check is not None else True  # (the guarded fallback checks its own)
 
 
 def layer_structure(layer: torch.nn.Module) -> tuple:
@@ -199,9 +245,26 @@ def layer_structure(layer: torch.nn.Module) -> tuple:
     return modules + tensors
 
 
+def structure_fingerprint(model: Transformer) -> tuple:
+    """A cheap check, made before every compiled step, that the modules a program was built for
+    are still there: the identity of the first layer's, the final norm's and the LM head's
+    modules, and each tensor's dtype, shape and memory (~10 µs; ``layer_structure`` takes ~90).
+    Quantizing in place, ``.to(dtype)`` or swapping a module changes it."""
+    def walk(module: torch.nn.Module, out: list) -> list:
+        out.append(id(module))
+        for tensor in [*module._parameters.values(), *module._buffers.values()]:
+            out.append(None if tensor is None else (tensor.dtype, tensor.shape, tensor.data_ptr()))
+        for child in module._modules.values():
+            if child is not None:
+                walk(child, out)
+        return out
+
+    return tuple(walk(model.layers[0], walk(model.norm, walk(model.lm_head, []))))
+
+
 def uniform(model: Transformer, cache: PagedKVCache) -> bool:
-    """Whether every layer and every block pool looks like the first one (then the guards on the
-    first one of a group can speak for the whole group: ``_guards_of_first_layer``)."""
+    """Whether every layer and every block pool looks like the first one (then the guards checked
+    on one group of layers speak for every group)."""
     first = layer_structure(model.layers[0])
     pools = {(pool.dtype, tuple(pool.shape), pool.stride()) for pool in cache.k + cache.v}
     return len(pools) == 1 and all(layer_structure(layer) == first for layer in model.layers)
@@ -236,12 +299,12 @@ class ModelRunner:
         self.compile_seconds: dict[str, float] = {}  # first call of each compiled variant, in seconds
         self.trace: list[tuple[str, int]] | None = None  # set to [] to record every step: (kind, rows)
         self._decode = decode_step
+        self.regions: CompiledRegions | None = None
+        self._fingerprint: tuple = ()
         if compile and self.on_cuda:  # the whole step as one CUDA graph: one launch per step
             self._decode = torch.compile(decode_step, fullgraph=True, mode="reduce-overhead", dynamic=False)
-        elif compile and uniform(model, cache):  # one program for every group of layers, one for the head
-            self._decode = functools.partial(decode_step, regions=CompiledRegions())
-        elif compile:  # layers that differ (a file mixing block formats): one program, every guard kept
-            self._decode = torch.compile(decode_step, fullgraph=True, dynamic=False)
+        elif compile:
+            self._plan_cpu_programs()
         if compile and not self.on_cuda:
             # Any pool and block size: engines of one model share the programs. Marked once here
             # (the mark stays on the tensors; marking 60 pools at every step cost ~0.4 ms).
@@ -249,6 +312,19 @@ class ModelRunner:
                 torch._dynamo.mark_dynamic(pool, 0)
                 if pool.shape[2] > 1:  # block_size 1 is its own program (size-1 dimensions specialize)
                     torch._dynamo.mark_dynamic(pool, 2)
+
+    def _plan_cpu_programs(self) -> None:
+        """Regions for a model whose layers are alike (one program for every group of layers, one
+        for the head); the whole step, every guard kept, for one whose layers differ (a file
+        mixing block formats). Planned again whenever the model's structure changes."""
+        self._fingerprint = structure_fingerprint(self.model)
+        if uniform(self.model, self.cache):
+            self.regions = self.regions or CompiledRegions()
+            self.regions.forget()
+            self._decode = functools.partial(decode_step, regions=self.regions)
+        else:
+            self.regions = None
+            self._decode = torch.compile(decode_step, fullgraph=True, dynamic=False)
 
     @torch.inference_mode()
     def prefill(self, seq_ids: Sequence[int], token_lists: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -291,6 +367,8 @@ class ModelRunner:
                 for tensor in args[1:7]:
                     torch._dynamo.mark_dynamic(tensor, 0)
             torch._dynamo.mark_dynamic(batch.block_tables, 1)
+        if self.compiled and not self.on_cuda and structure_fingerprint(self.model) != self._fingerprint:
+            self._plan_cpu_programs()  # the model changed since the last step (quantized in place, say)
         variant = "rows=1" if rows == 1 else "rows>1"
         start = time.perf_counter()
         logits = self._decode(*args)[:rows]
