@@ -152,9 +152,10 @@ def decode_logits(norm: RMSNorm, lm_head: Linear, x: torch.Tensor) -> torch.Tens
 class CompiledRegions:
     """``decode_layers`` and ``decode_logits`` compiled, each once for the whole model (the CPU).
 
-    The step's inputs arrive with their varying dimensions marked dynamic by the runner; the
-    activations made inside the step (``x``, ``cos``, ``sin``) get their row dimension marked
-    here, so that every row count above one shares one program.
+    The pools arrive with their block count and block size marked dynamic by the runner; the
+    step's other tensors get their varying dimensions (rows, table width) marked here, when a
+    program is built, so that every row count above one and every table width share one
+    program (marking costs ~6 µs a tensor: not at every call).
 
     **Guards checked once per input shape, not at every call.** A function compiled by
     ``torch.compile`` checks its guards at every call: that the inputs still look like the ones
@@ -186,14 +187,12 @@ class CompiledRegions:
 
     def layers(self, layers: tuple[Block, ...], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                *step: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
-        _mark_rows_dynamic(x, cos, sin)
         args = (layers, x, cos, sin, *step)
         k_pools, block_tables = step[0], step[5]
         signature = ("layers", len(layers), x.dtype, x.shape, k_pools[0].shape, block_tables.shape)  # type: ignore[union-attr]
         return self._program(self._layers, "layers", signature, args)(*args)
 
     def logits(self, norm: RMSNorm, lm_head: Linear, x: torch.Tensor) -> torch.Tensor:
-        _mark_rows_dynamic(x)
         args = (norm, lm_head, x)
         return self._program(self._logits, "logits", ("logits", x.dtype, x.shape), args)(*args)
 
@@ -205,6 +204,7 @@ class CompiledRegions:
                  args: tuple) -> Callable[..., torch.Tensor]:
         program = self._accepted.get(signature)
         if program is None:
+            _mark_step_dynamic(args)
             program = next((p for p in self._built[kind] if _guards_pass(p, args)), None)
             if program is None:
                 program = _build(compiled, args)
@@ -270,10 +270,16 @@ def uniform(model: Transformer, cache: PagedKVCache) -> bool:
     return len(pools) == 1 and all(layer_structure(layer) == first for layer in model.layers)
 
 
-def _mark_rows_dynamic(*tensors: torch.Tensor) -> None:
-    for tensor in tensors:
-        if tensor.shape[0] > 1:
-            torch._dynamo.mark_dynamic(tensor, 0)
+def _mark_step_dynamic(args: tuple) -> None:
+    """Mark the dimensions of a region's step tensors that vary: the rows when there are more
+    than one (a single row is its own program, the batch-1 fast path) and the block tables'
+    width. (The pools, in tuples, were marked once by the runner.)"""
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            if arg.shape[0] > 1:
+                torch._dynamo.mark_dynamic(arg, 0)
+            if arg.dtype in (torch.int32, torch.int64) and arg.dim() == 2:  # the block tables
+                torch._dynamo.mark_dynamic(arg, 1)
 
 
 class ModelRunner:
@@ -359,7 +365,7 @@ class ModelRunner:
             token_ids = torch.cat([token_ids, token_ids.new_zeros(pad_to - rows)])
         args = (self.model, token_ids[:, None], batch.positions_flat, batch.write_blocks, batch.write_offsets,
                 batch.block_tables, batch.context_lens, self.cache.k, self.cache.v)
-        if self.compiled and not self.on_cuda:
+        if self.compiled and not self.on_cuda and self.regions is None:  # (the regions mark their own)
             # One program for every row count > 1 and every table width; a single row is its
             # own program (the compiler specializes size-1 dimensions, and rows=1 is the
             # batch-1 fast path). CUDA instead pads to buckets: a CUDA graph has fixed shapes.
