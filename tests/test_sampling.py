@@ -424,3 +424,24 @@ def test_processors_validate_their_arguments():
                 lambda: MinP(-0.1), lambda: RepetitionPenalty(0.0), lambda: TopK(3, min_tokens_to_keep=0)]:
         with pytest.raises(ValueError):
             bad()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 5), st.integers(1, 300), st.integers(0, 2**31 - 1), st.sampled_from(["random", "ties", "nan", "-inf"]))
+def test_the_samplers_argmax_is_torch_argmax(rows, vocab, seed, kind):
+    """The sampler's CPU argmax (NumPy's, vectorized) picks exactly torch.argmax's index: the
+    first of tied maxima, the first NaN, index 0 of an all -inf row."""
+    from minillm.sampling.sampler import argmax
+
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randn(rows, vocab, generator=g)
+    if kind == "ties":
+        scores = torch.randint(0, 3, (rows, vocab), generator=g).float()
+    elif kind == "nan":
+        scores[torch.rand(rows, vocab, generator=g) < 0.1] = float("nan")
+    elif kind == "-inf":
+        scores[torch.rand(rows, vocab, generator=g) < 0.7] = float("-inf")
+        scores[0] = float("-inf")
+    assert torch.equal(argmax(scores), scores.argmax(dim=-1))
+    transposed_layout = scores.t().contiguous().t()  # the same values, column-major in memory
+    assert torch.equal(argmax(transposed_layout), scores.argmax(dim=-1))
