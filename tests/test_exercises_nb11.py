@@ -268,10 +268,14 @@ def test_offset_through_the_package_kernel_breaks_the_rule(capsys):
     def through_raw_kernel(x, qs, d, m):
         return kernels.linear("q4_1", x[None], qs, d, m)[0]
 
-    assert nb11.check_q4_1_offset_matvec(through_kernel) is False
-    assert "it calls `packed_linears`" in capsys.readouterr().out
-    assert nb11.check_q4_1_offset_matvec(through_raw_kernel) is False
-    assert "it calls `q4_linear`" in capsys.readouterr().out
+    def through_group_kernel(x, qs, d, m):
+        layer = QuantizedLinear("q4_1", qs, d, m)
+        return QuantizedLinear.many(x[None], [layer, layer])[0][0]  # (a group: the op for several matrices)
+
+    for attempt, op in ((through_kernel, "q4_linear"), (through_raw_kernel, "q4_linear"),
+                        (through_group_kernel, "packed_linears")):
+        assert nb11.check_q4_1_offset_matvec(attempt) is False
+        assert f"it calls `{op}`" in capsys.readouterr().out
 
 
 def test_the_offset_expected_answers_are_the_float64_product_and_the_kernel_meets_them():

@@ -294,7 +294,8 @@ NO_PACKAGE_PRODUCT = forbid_calls({"linear": "F.linear on a dequantized matrix i
                                              "against; write the product from the blocks.",
                                    "q4_linear": "that is the package's kernel, the very thing you are writing; "
                                                 "write the product from the blocks.",
-                                   "packed_linears": "that is the package's kernel (what QuantizedLinear calls), "
+                                   "packed_linears": "that is the package's kernel for a group of matrices "
+                                                     "(what QuantizedLinear.many calls), "
                                                      "the very thing you are writing; write the product from the "
                                                      "blocks."})
 
