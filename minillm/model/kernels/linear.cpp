@@ -70,6 +70,51 @@ void tile(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_
 // The rows of R in a tile for MR input rows: as many outputs as the 32 registers hold.
 constexpr int outputs_per_tile(int MR) { return MR <= 3 ? 8 : MR == 4 ? 6 : MR <= 6 ? 4 : 3; }
 
+#elif defined(MINILLM_AVX2)
+using minillm_simd::first_lanes;
+using minillm_simd::sum8;
+
+// The AVX2 tile: the same loop on 8 lanes, with 16 registers (MR x R accumulators, R weight
+// vectors and one input vector: ``outputs_per_tile`` below keeps them within 16).
+template <int MR, int R>
+void tile(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t n0) {
+  constexpr int T = MR * R;
+  __m256 acc[T];
+#pragma GCC unroll 16
+  for (int i = 0; i < T; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    const __m256i mask = _mm256_castps_si256(first_lanes(static_cast<int>(std::min<int64_t>(8, K - k))));
+    __m256 wr[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      wr[r] = _mm256_maskload_ps(w + (n0 + r) * K + k, mask);
+      _mm_prefetch(reinterpret_cast<const char*>(w + (n0 + R + r) * K + k), _MM_HINT_T0);
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      const __m256 xm = _mm256_maskload_ps(x + m * K + k, mask);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[m * R + r] = _mm256_fmadd_ps(xm, wr[r], acc[m * R + r]);
+    }
+  }
+  alignas(32) float sums[16];
+  __m256 group[8];
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) group[j] = j < T ? acc[j] : _mm256_setzero_ps();
+  _mm256_store_ps(sums, sum8(group));
+  if constexpr (T > 8) {
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) group[j] = 8 + j < T ? acc[8 + j] : _mm256_setzero_ps();
+    _mm256_store_ps(sums + 8, sum8(group));
+  }
+  for (int i = 0; i < T; ++i) y[(i / R) * N + n0 + i % R] = sums[i];
+}
+
+constexpr int outputs_per_tile(int MR) { return MR == 1 ? 6 : MR == 2 ? 4 : MR == 3 ? 3 : MR <= 6 ? 2 : 1; }
+#endif
+
+#if defined(MINILLM_AVX512) || defined(MINILLM_AVX2)
+
 // Outputs [n0, n0 + R) for every input row: 8 rows at a time, the weight tile staying in L1.
 template <int R>
 void all_rows(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0) {
@@ -78,13 +123,13 @@ void all_rows(const float* x, const float* w, float* y, int64_t M, int64_t K, in
     float* ym = y + m * N;
     switch (std::min<int64_t>(8, M - m)) {
       case 1: tile<1, R>(xm, w, ym, K, N, n0); break;
-      case 2: tile<2, R>(xm, w, ym, K, N, n0); break;
-      case 3: tile<3, R>(xm, w, ym, K, N, n0); break;
-      case 4: tile<4, std::min(R, 6)>(xm, w, ym, K, N, n0); break;
-      case 5: tile<5, std::min(R, 4)>(xm, w, ym, K, N, n0); break;
-      case 6: tile<6, std::min(R, 4)>(xm, w, ym, K, N, n0); break;
-      case 7: tile<7, std::min(R, 3)>(xm, w, ym, K, N, n0); break;
-      default: tile<8, std::min(R, 3)>(xm, w, ym, K, N, n0); break;
+      case 2: tile<2, std::min(R, outputs_per_tile(2))>(xm, w, ym, K, N, n0); break;
+      case 3: tile<3, std::min(R, outputs_per_tile(3))>(xm, w, ym, K, N, n0); break;
+      case 4: tile<4, std::min(R, outputs_per_tile(4))>(xm, w, ym, K, N, n0); break;
+      case 5: tile<5, std::min(R, outputs_per_tile(5))>(xm, w, ym, K, N, n0); break;
+      case 6: tile<6, std::min(R, outputs_per_tile(6))>(xm, w, ym, K, N, n0); break;
+      case 7: tile<7, std::min(R, outputs_per_tile(7))>(xm, w, ym, K, N, n0); break;
+      default: tile<8, std::min(R, outputs_per_tile(8))>(xm, w, ym, K, N, n0); break;
     }
   }
 }
@@ -103,7 +148,9 @@ void run(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t
     case 8: return outputs<8>(x, w, y, M, K, N, n_begin, n_end);
     case 6: return outputs<6>(x, w, y, M, K, N, n_begin, n_end);
     case 4: return outputs<4>(x, w, y, M, K, N, n_begin, n_end);
-    default: return outputs<3>(x, w, y, M, K, N, n_begin, n_end);
+    case 3: return outputs<3>(x, w, y, M, K, N, n_begin, n_end);
+    case 2: return outputs<2>(x, w, y, M, K, N, n_begin, n_end);
+    default: return outputs<1>(x, w, y, M, K, N, n_begin, n_end);
   }
 }
 #endif
@@ -134,7 +181,7 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w) {
   float* yp = y.data_ptr<float>();
   // each task: a stretch of outputs for every input row, so each weight row is read by one core, once
   at::parallel_for(0, N, 48, [&](int64_t begin, int64_t end) {
-#ifdef MINILLM_AVX512
+#if defined(MINILLM_AVX512) || defined(MINILLM_AVX2)
     run(xp, wp, yp, M, K, N, begin, end);
 #else
     portable(xp, wp, yp, M, K, N, begin, end);
@@ -147,10 +194,10 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w) {
 
 TORCH_LIBRARY_FRAGMENT(minillm, lib) {
   lib.def("f32_linear(Tensor x, Tensor w) -> Tensor");
-  // Whether the library was built with the AVX-512 versions: without them the float32 kernels
-  // are portable loops, slower than PyTorch's own paths, and the callers keep those.
+  // Whether the library was built with vector versions (AVX-512 or AVX2): without them the float32
+  // kernels are portable loops, slower than PyTorch's own paths, and the callers keep those.
   lib.def("vectorized() -> bool", []() -> bool {
-#ifdef MINILLM_AVX512
+#if defined(MINILLM_AVX512) || defined(MINILLM_AVX2)
     return true;
 #else
     return false;

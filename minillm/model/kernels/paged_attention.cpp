@@ -46,6 +46,13 @@ namespace {
 using minillm_simd::exp_ps;
 using minillm_simd::sum16;
 #endif
+#ifdef MINILLM_AVX2
+using minillm_simd::exp8;
+using minillm_simd::first_lanes;
+using minillm_simd::reduce_add;
+using minillm_simd::reduce_max;
+using minillm_simd::sum8;
+#endif
 
 struct Shape {
   int64_t n_heads, n_kv_heads, groups, head_dim, block_size, width;
@@ -147,6 +154,66 @@ void attend_chunk16(const Shape& sh, const float* q, const float* k_pool, const 
 }
 #endif
 
+#ifdef MINILLM_AVX2
+// The AVX2 version of attend_chunk16: 8 keys at a time (8 scores in one register), 16 registers,
+// so each query head's output is updated on its own (the values come from the L1 cache again
+// for the next head of the group).
+template <int D>
+void attend_chunk8(const Shape& sh, const float* q, const float* k_pool, const float* v_pool, const int64_t* table,
+                   int64_t first, int64_t last, Partial out, float* p, float* keep) {
+  constexpr int V = D / 8;  // registers per head vector
+  const int64_t B = sh.block_size, head_stride = B * D, block_stride = sh.n_kv_heads * head_stride;
+  const __m256 scale = _mm256_set1_ps(sh.scale), minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const float* keys[8];
+  const float* values[8];
+  for (int64_t start = first; start < last; start += 8) {
+    const int n = static_cast<int>(std::min<int64_t>(8, last - start));
+    const __m256 valid = first_lanes(n);
+    for (int64_t kv_head = 0; kv_head < sh.n_kv_heads; ++kv_head) {
+      for (int j = 0; j < n; ++j) {
+        const int64_t position = start + j;
+        const int64_t at = table[position / B] * block_stride + kv_head * head_stride + (position % B) * D;
+        keys[j] = k_pool + at;
+        values[j] = v_pool + at;
+      }
+      const int64_t first_head = kv_head * sh.groups;
+      for (int64_t g = 0; g < sh.groups; ++g) {
+        const int64_t head = first_head + g;
+        __m256 t[8];
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) {
+          t[j] = _mm256_setzero_ps();
+          if (j < n)
+#pragma GCC unroll 16
+            for (int i = 0; i < V; ++i)
+              t[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + head * D + 8 * i), _mm256_loadu_ps(keys[j] + 8 * i), t[j]);
+        }
+        const __m256 s = _mm256_blendv_ps(minus_inf, _mm256_mul_ps(sum8(t), scale), valid);
+        const float new_max = std::max(out.max[head], reduce_max(s));
+        keep[g] = std::exp(out.max[head] - new_max);  // rescales what was summed so far (0 at the start)
+        const __m256 e = _mm256_and_ps(valid, exp8(_mm256_sub_ps(s, _mm256_set1_ps(new_max))));
+        out.sum[head] = out.sum[head] * keep[g] + reduce_add(e);
+        out.max[head] = new_max;
+        _mm256_storeu_ps(p + g * 8, e);
+      }
+      for (int64_t g = 0; g < sh.groups; ++g) {
+        float* acc_h = out.acc + (first_head + g) * D;
+        __m256 acc[V];
+#pragma GCC unroll 16
+        for (int i = 0; i < V; ++i) acc[i] = _mm256_mul_ps(_mm256_set1_ps(keep[g]), _mm256_loadu_ps(acc_h + 8 * i));
+        for (int j = 0; j < n; ++j) {
+          const __m256 w = _mm256_set1_ps(p[g * 8 + j]);
+#pragma GCC unroll 16
+          for (int i = 0; i < V; ++i) acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(values[j] + 8 * i), acc[i]);
+        }
+#pragma GCC unroll 16
+        for (int i = 0; i < V; ++i) _mm256_storeu_ps(acc_h + 8 * i, acc[i]);
+      }
+    }
+  }
+}
+#endif
+
 // The same for any head_dim and any CPU, one key at a time: the reference the fast version
 // must agree with (tests run both).
 void attend_chunk(const Shape& sh, const float* q, const float* k_pool, const float* v_pool, const int64_t* table,
@@ -182,6 +249,13 @@ void run_chunk(const Shape& sh, const float* q, const float* k_pool, const float
   float* keep = p + sh.groups * 16;
   if (sh.head_dim == 64) return attend_chunk16<64>(sh, q, k_pool, v_pool, table, first, last, out, p, keep);
   if (sh.head_dim == 128) return attend_chunk16<128>(sh, q, k_pool, v_pool, table, first, last, out, p, keep);
+#endif
+#ifdef MINILLM_AVX2
+  scratch.resize(sh.groups * 9);  // 8 probabilities and a rescale factor per head of a group
+  float* p = scratch.data();
+  float* keep = p + sh.groups * 8;
+  if (sh.head_dim == 64) return attend_chunk8<64>(sh, q, k_pool, v_pool, table, first, last, out, p, keep);
+  if (sh.head_dim == 128) return attend_chunk8<128>(sh, q, k_pool, v_pool, table, first, last, out, p, keep);
 #endif
   attend_chunk(sh, q, k_pool, v_pool, table, first, last, out);
 }

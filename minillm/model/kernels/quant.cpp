@@ -30,12 +30,11 @@
 #include <optional>
 #include <vector>
 
-#if defined(__AVX512F__) || defined(__F16C__)
+#if defined(__F16C__)
 #include <immintrin.h>
 #endif
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define MINILLM_AVX512 1
-#endif
+
+#include "simd.h"
 
 namespace {
 
@@ -192,6 +191,92 @@ void dequantize_rows(const Matrix& w, float* out, int64_t begin, int64_t end) {
     }
 }
 
+#elif defined(MINILLM_AVX2)
+using minillm_simd::reduce_add;
+
+// AVX2 (most x86 laptops and desktops: no AVX-512): 8 lanes and 16 vector registers. A 16-entry
+// table lookup would take two 8-entry permutes and a blend per 8 weights, more than turning
+// the codes into floats by arithmetic (widen, convert, one FMA with the scale and minimum), so
+// here the weights are computed, not looked up. Block b of output row o as four vectors of 8
+// weights (0..7, 8..15, 16..23, 24..31); an 8-bit block *not yet scaled*, as above.
+template <bool FourBit>
+inline void weights(const uint8_t* p, float d, float m, __m256 (&w)[4]) {
+  if constexpr (FourBit) {
+    const __m256 scale = _mm256_set1_ps(d), minimum = _mm256_set1_ps(m);
+    const __m256i nibble = _mm256_set1_epi32(15);
+    for (int half = 0; half < 2; ++half) {  // bytes 0..7 and 8..15: weights j (low nibble) and j + 16 (high)
+      const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * half)));
+      w[half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q, nibble)), scale, minimum);
+      w[2 + half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)), scale, minimum);
+    }
+  } else {
+    for (int i = 0; i < 4; ++i)
+      w[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * i))));
+  }
+}
+
+// As the AVX-512 tile: O output rows times R input rows, each block turned into weights once and
+// used R times, two accumulators per pair (two chains of FMAs instead of one long one), the next
+// tile's bytes prefetched. With 16 registers, O shrinks as R grows (``tile_outputs``).
+template <Format F, int O, int R>
+void tile(const Matrix& w, const float* x, int64_t in, float* y, int64_t o0) {
+  constexpr bool FourBit = F != Format::q8_0;
+  constexpr int64_t bytes = FourBit ? 16 : 32;
+  const int64_t blocks = w.blocks;
+  const uint8_t* q = w.qs + o0 * blocks * bytes;
+  const uint8_t* next = q + O * blocks * bytes;
+  const bool prefetch = o0 + 2 * O <= w.out;
+  __m256 acc[O][R][2];
+  for (int o = 0; o < O; ++o)
+    for (int r = 0; r < R; ++r) acc[o][r][0] = acc[o][r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    if (prefetch)
+      for (int64_t line = 0; line < O * bytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(next + b * O * bytes + line), _MM_HINT_T0);
+#pragma GCC unroll 4
+    for (int o = 0; o < O; ++o) {
+      const float d = to_float(w.d + (o0 + o) * blocks + b);
+      const float m = F == Format::q4_1 ? to_float(w.m + (o0 + o) * blocks + b) : F == Format::q4_0 ? -8.0f * d : 0.0f;
+      __m256 wv[4];
+      weights<FourBit>(q + (o * blocks + b) * bytes, d, m, wv);
+      const float* xb = x + b * kBlock;
+      if (!FourBit && R == 1) {  // sum q x over the block, then one multiply by d
+        __m256 qx = _mm256_mul_ps(wv[0], _mm256_loadu_ps(xb));
+        qx = _mm256_fmadd_ps(wv[1], _mm256_loadu_ps(xb + 8), qx);
+        qx = _mm256_fmadd_ps(wv[2], _mm256_loadu_ps(xb + 16), qx);
+        qx = _mm256_fmadd_ps(wv[3], _mm256_loadu_ps(xb + 24), qx);
+        acc[o][0][b & 1] = _mm256_fmadd_ps(qx, _mm256_set1_ps(d), acc[o][0][b & 1]);
+        continue;
+      }
+      if (!FourBit)
+        for (int i = 0; i < 4; ++i) wv[i] = _mm256_mul_ps(wv[i], _mm256_set1_ps(d));
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i)
+          acc[o][r][i & 1] = _mm256_fmadd_ps(wv[i], _mm256_loadu_ps(xb + r * in + 8 * i), acc[o][r][i & 1]);
+    }
+  }
+  for (int o = 0; o < O; ++o)
+    for (int r = 0; r < R; ++r) y[r * w.out + o0 + o] = reduce_add(_mm256_add_ps(acc[o][r][0], acc[o][r][1]));
+}
+
+void dequantize_rows(const Matrix& w, float* out, int64_t begin, int64_t end) {
+  for (int64_t o = begin; o < end; ++o)
+    for (int64_t b = 0; b < w.blocks; ++b) {
+      const float d = to_float(w.d + o * w.blocks + b);
+      const uint8_t* p = w.qs + (o * w.blocks + b) * w.block_bytes();
+      __m256 wv[4];
+      if (w.four_bit) {
+        weights<true>(p, d, w.minimum(o, b, d), wv);
+      } else {
+        weights<false>(p, d, 0.0f, wv);
+        for (int i = 0; i < 4; ++i) wv[i] = _mm256_mul_ps(wv[i], _mm256_set1_ps(d));
+      }
+      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + (o * w.blocks + b) * kBlock + 8 * i, wv[i]);
+    }
+}
+
 #else  // portable: the same sums, one weight at a time (the compiler vectorizes what it can)
 
 // Weight j of block b of output row o.
@@ -229,6 +314,16 @@ void dequantize_rows(const Matrix& w, float* out, int64_t begin, int64_t end) {
 
 #endif
 
+// Output rows per tile for R input rows: 4 where the accumulators fit in the registers (all of
+// AVX-512's 32), fewer with AVX2's 16 (R = 4: 2 x 4 x 2 accumulators).
+constexpr int tile_outputs(int R) {
+#if defined(MINILLM_AVX2)
+  return R >= 4 ? 2 : 4;
+#else
+  return 4;
+#endif
+}
+
 // Output rows [begin, end) for all input rows, in tiles that keep every accumulator and the
 // tile's x in the 32 vector registers: 4 output rows at a time (four independent chains of
 // multiply-adds, even for one input row: one chain alone waits on each FMA's latency) times
@@ -238,7 +333,7 @@ void rows(const Matrix& w, const float* x, int64_t n_rows, int64_t in, float* y,
   int64_t r = 0;
   auto run = [&](auto r_tile) {
     constexpr int R = decltype(r_tile)::value;
-    constexpr int O = 4;
+    constexpr int O = tile_outputs(R);
     int64_t o = begin;
     for (; o + O <= end; o += O) tile<F, O, R>(w, x + r * in, in, y + r * w.out, o);
     for (; o < end; ++o) tile<F, 1, R>(w, x + r * in, in, y + r * w.out, o);
