@@ -241,6 +241,58 @@ def test_the_compiled_one_row_product_reads_the_blocks_and_stays_within_rounding
     assert ((compiled.double() - exact).abs() <= _bound(x[0], layer.dequantize())).all()
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_outlier_columns_stay_float32_and_the_rest_quantizes_like_gguf(fmt):
+    """``quantize_with_outliers``: the chosen input columns are the float weights (exactly where
+    zero is on the format's grid; to float32 rounding for Q4_1, whose blocks add their level
+    nearest zero), the others ggml's blocks of the matrix with those columns zeroed, bit for bit;
+    the layer (kernel, batched, prefill and compiled one-row paths) computes ``F.linear`` on
+    that matrix."""
+    torch.manual_seed(3)
+    weight = torch.randn(37, 128) * 0.1
+    weight[:, 64] *= 300  # an outlier column would set its blocks' scales
+    cols = torch.tensor([5, 64, 127])
+    layer = QuantizedLinear.from_float(weight, fmt, bias=torch.randn(37), outlier_cols=cols)
+    dense = layer.dequantize()
+    zeroed = weight.index_fill(1, cols, 0).numpy()
+    reference = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(zeroed, GGML[fmt]), GGML[fmt]))
+    if fmt == "q4_1":  # the blocks' level there, eps, plus (w - eps): two float32 roundings
+        assert ((dense[:, cols] - weight[:, cols]).abs()
+                <= 2 ** -22 * (weight[:, cols].abs() + reference[:, cols].abs())).all()
+    else:
+        assert torch.equal(dense[:, cols], weight[:, cols])
+    rest = torch.ones(128, dtype=torch.bool)
+    rest[cols] = False
+    assert torch.equal(dense[:, rest], reference[:, rest])
+    assert layer.nbytes == sum(t.numel() * t.element_size() for t in (layer.qs, layer.d, layer.m) if t is not None) \
+        + 3 * 8 + 37 * 3 * 4
+    for x in (torch.randn(1, 1, 128), torch.randn(3, 5, 128), torch.randn(2, 20, 128)):
+        got = layer(x).reshape(-1, 37)
+        assert _within_rounding(got, x.reshape(-1, 128), dense, layer.bias)
+    x = torch.randn(1, 1, 128)
+    with torch.inference_mode():
+        compiled = torch.compile(layer, fullgraph=True, dynamic=False)(x)
+    assert _within_rounding(compiled[0], x[0], dense, layer.bias)
+    with pytest.raises(ValueError, match="outlier columns of w must be a 1-D list of input indices below 128"):
+        QuantizedLinear.from_float(weight, fmt, name="w", outlier_cols=torch.tensor([128]))
+
+
+def test_calibration_finds_the_channel_that_carries_outlier_activations(pristine):  # noqa: F811
+    """A hidden channel made 1000x larger in every token's embedding is the channel layer 0's
+    q/k/v read largest after RMSNorm: ``outlier_columns`` picks it for all three (one list for
+    layers that share an input), at most one column per block of 32."""
+    from minillm.model.quant import outlier_columns
+
+    model, tok = minillm.load_model(pristine, device="cpu")
+    model.embed_tokens.weight.data[:, 17] *= 1000
+    columns = outlier_columns(model, torch.tensor([tok.encode("To be, or not to be: that is the question")]), k=16)
+    hidden = model.config.hidden_size
+    first = columns["layers.0.self_attn.q_proj"]
+    assert 17 in first.tolist() and len(first) == hidden // 32
+    assert torch.equal(first, columns["layers.0.self_attn.k_proj"]) and torch.equal(first, columns["layers.0.self_attn.v_proj"])
+    assert set(columns) == {name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and name != "lm_head"}
+
+
 def test_a_quantized_embedding_looks_up_dequantized_rows():
     table = QuantizedLinear.from_float(torch.randn(50, 64), "q8_0")
     ids = torch.tensor([[3, 0, 49], [7, 7, 1]])

@@ -108,8 +108,33 @@ def load_model(
         reader = open_gguf(path)
         use_blocks(model, read_gguf_blocks(path, gguf_tensors(path, reader), model.config))
     elif weights in FORMATS:
-        quantize_model(model, weights)
+        ids = tokenizer.encode(CALIBRATION_TEXT)[: model.config.max_position_embeddings]
+        calibration = torch.tensor([ids])
+        quantize_model(model, weights, calibration)
     return model, tokenizer
+
+
+# What a model reads once, in float, before ``weights="q8_0"`` / ``"q4_0"`` quantize it: enough
+# ordinary text (a chat turn, prose, code, numbers) for each layer's outlier input channels to
+# show (``quantize_model``). Those channels are a property of the model, not of the text (the
+# same ones peak on Shakespeare, notebook 11 checks), so a short built-in text does.
+CALIBRATION_TEXT = """<|im_start|>system
+You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>
+<|im_start|>user
+What is the capital of France, and why do so many people visit it?<|im_end|>
+<|im_start|>assistant
+The capital of France is Paris. People visit it for its museums, such as the Louvre, its food,
+its architecture and the river Seine, which runs through the middle of the city.<|im_end|>
+The history of the printing press begins in the fifteenth century, when Johannes Gutenberg
+combined movable metal type, oil-based ink and a wooden press. Within fifty years, presses were
+running in more than two hundred cities, and the price of a book fell by a factor of ten.
+def fibonacci(n: int) -> int:
+    a, b = 0, 1
+    for _ in range(n):
+        a, b = b, a + b
+    return a
+In 2023 the population was 8,045,311; it grew by 0.9% to 8,117,717 in 2024.
+"""
 
 
 WEIGHTS = ("float32", "bfloat16", "native", *FORMATS)
