@@ -183,8 +183,15 @@ def test_one_call_for_several_matrices_refuses_what_it_cannot_read():
     a, b = quantize(torch.randn(8, 64), "q4_1"), quantize(torch.randn(4, 32), "q8_0")
     with pytest.raises(RuntimeError, match=r"packed_linears: x has 64 features, the weight takes 32 \(1 blocks of 32\)"):
         kernels.linears(torch.randn(1, 64), [a["qs"], b["qs"]], [a["d"], b["d"]], [a["m"], None])
-    with pytest.raises(RuntimeError, match=r"packed_linears: one qs, d and m per matrix, got 2, 1 and 2"):
+    with pytest.raises(RuntimeError, match=r"packed_linears: one qs, d, m, cols and w_cols per matrix, got 2, 1, 2, 2 and 2"):
         kernels.linears(torch.randn(1, 64), [a["qs"], a["qs"]], [a["d"]], [a["m"], a["m"]])
+    out = a["qs"].shape[0]
+    with pytest.raises(RuntimeError, match=r"packed_linears: column 64 of matrix 0 is outside its 64 inputs"):
+        kernels.linears(torch.randn(1, 64), [a["qs"]], [a["d"]], [a["m"]], [torch.tensor([64])], [torch.ones(1, out)])
+    with pytest.raises(RuntimeError, match=rf"packed_linears: w_cols of matrix 0 must be contiguous float32 \[1, {out}\]"):
+        kernels.linears(torch.randn(1, 64), [a["qs"]], [a["d"]], [a["m"]], [torch.tensor([3])], [torch.ones(2, out)])
+    with pytest.raises(RuntimeError, match=r"packed_linears: matrix 0 has cols without w_cols"):
+        kernels.linears(torch.randn(1, 64), [a["qs"]], [a["d"]], [a["m"]], [torch.tensor([3])], [None])
     with pytest.raises(RuntimeError, match=r"packed_linears: Q8_0 blocks have no minimums"):
         kernels.linears(torch.randn(1, 32), [b["qs"]], [b["d"]], [b["d"]])
     with pytest.raises(ValueError, match=r"a Q8_0 layer of 32 inputs and 4 outputs got an input of shape \[1, 64\]"):

@@ -107,8 +107,9 @@ def quantize(w: torch.Tensor, fmt: str, name: str = "weight") -> dict[str, torch
 def quantize_with_outliers(w: torch.Tensor, fmt: str, name: str = "weight",
                            outlier_cols: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
     """``quantize``, except for the input columns ``outlier_cols``: they are zeroed in the blocks,
-    so a block's scale is not set by them, and kept float32 as ``outlier_w`` [out, k], what the
-    blocks leave out there: the layer's matrix is ``dequantize(blocks)`` plus these columns.
+    so a block's scale is not set by them, and kept float32 as ``outlier_w`` [k, out] (a row per
+    column: what the blocks leave out there): the layer's matrix is ``dequantize(blocks)`` plus
+    these columns.
 
     Why: a few input channels of a transformer's layers carry activations tens to thousands of
     times larger than the rest ("outlier features", Dettmers et al. 2022, LLM.int8()). A weight's
@@ -124,7 +125,8 @@ def quantize_with_outliers(w: torch.Tensor, fmt: str, name: str = "weight",
     # What the blocks leave out in those columns: all of w for Q8_0 / Q4_0 (zero is on their grids),
     # w minus the block's nearest level for Q4_1 (a min-max grid need not hold zero).
     held = dequantize(fmt, **blocks)[:, cols.cpu()]
-    return {**blocks, "outlier_cols": cols.cpu(), "outlier_w": w[:, cols].detach().to("cpu", torch.float32) - held}
+    columns = w[:, cols].detach().to("cpu", torch.float32) - held
+    return {**blocks, "outlier_cols": cols.cpu(), "outlier_w": columns.t().contiguous()}
 
 
 def _checked(blocks: dict[str, torch.Tensor], fmt: str, name: str) -> dict[str, torch.Tensor]:
@@ -191,8 +193,8 @@ class QuantizedLinear(torch.nn.Module):
         if (m is not None) != (fmt == "q4_1"):
             raise ValueError(f"{fmt.upper()} blocks {'need' if fmt == 'q4_1' else 'have no'} minimums (m)")
         if (outlier_cols is None) != (outlier_w is None) or (
-                outlier_w is not None and outlier_w.shape != (qs.shape[0], outlier_cols.numel())):
-            raise ValueError("outlier_cols [k] and outlier_w [out, k] come together")
+                outlier_w is not None and outlier_w.shape != (outlier_cols.numel(), qs.shape[0])):
+            raise ValueError("outlier_cols [k] and outlier_w [k, out] come together")
         self.fmt = fmt
         self.out_features = qs.shape[0]
         self.in_features = qs.shape[1] * BLOCK_SIZE
@@ -226,7 +228,7 @@ class QuantizedLinear(torch.nn.Module):
         """The matrix this layer multiplies by: the blocks' numbers, plus the float columns."""
         w = dequantize(self.fmt, self.qs, self.d, self.m)
         if self.outlier_cols is not None:
-            w = w.index_add(1, self.outlier_cols, self.outlier_w)
+            w = w.index_add(1, self.outlier_cols, self.outlier_w.t())
         return w.to(dtype)
 
     def _check_input(self, x: torch.Tensor) -> None:
@@ -249,13 +251,15 @@ class QuantizedLinear(torch.nn.Module):
         """The kernel's products of ``x`` with each layer's blocks (the CPU path of ``forward``
         and ``many``), in ``x``'s dtype and shape."""
         rows = x.reshape(-1, x.shape[-1]).float().contiguous()
-        if len(layers) == 1:  # the single-matrix op: no lists to convert (~1.6 µs less per call)
-            ys = [kernels.linear(layers[0].fmt, rows, layers[0].qs, layers[0].d, layers[0].m)]
+        # the float columns, if any, are added by the kernel in the same pass
+        if len(layers) == 1:  # the single-matrix op: no lists to convert (~5 µs less per call)
+            layer = layers[0]
+            ys = [kernels.linear(layer.fmt, rows, layer.qs, layer.d, layer.m, layer.outlier_cols, layer.outlier_w)]
         else:
             ys = kernels.linears(rows, [layer.qs for layer in layers], [layer.d for layer in layers],
-                                 [layer.m for layer in layers])
-        return [layer._add_bias(layer._add_outliers(rows, y).to(x.dtype)).view(*x.shape[:-1], -1)
-                for layer, y in zip(layers, ys)]
+                                 [layer.m for layer in layers], [layer.outlier_cols for layer in layers],
+                                 [layer.outlier_w for layer in layers])
+        return [layer._add_bias(y.to(x.dtype)).view(*x.shape[:-1], -1) for layer, y in zip(layers, ys)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
@@ -274,7 +278,7 @@ class QuantizedLinear(torch.nn.Module):
         """``y`` (the blocks' product with ``rows`` [n, in]) plus the float columns' share."""
         if self.outlier_cols is None:
             return y
-        return torch.addmm(y, rows[:, self.outlier_cols], self.outlier_w.t())
+        return torch.addmm(y, rows[:, self.outlier_cols], self.outlier_w)
 
     def _matvec(self, x: torch.Tensor) -> torch.Tensor:
         """One row ``x`` [blocks, 32] times the packed matrix: a reduction over (blocks, 32) that the

@@ -77,20 +77,27 @@ def why_unavailable() -> str:
     return _why
 
 
-def linear(fmt: str, x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: Optional[torch.Tensor]) -> torch.Tensor:
-    """``x`` [rows, in] float32 times the blocks' matrix transposed: [rows, out]."""
+def linear(fmt: str, x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: Optional[torch.Tensor],
+           cols: Optional[torch.Tensor] = None, w_cols: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x`` [rows, in] float32 times the blocks' matrix transposed: [rows, out]; plus, when given,
+    the input columns ``cols`` [k] kept in float32 beside the blocks, ``w_cols`` [k, out]."""
     if fmt == "q8_0":
-        return torch.ops.minillm.q8_0_linear(x, qs, d)
-    return torch.ops.minillm.q4_linear(x, qs, d, m if fmt == "q4_1" else None)
+        return torch.ops.minillm.q8_0_linear(x, qs, d, cols, w_cols)
+    return torch.ops.minillm.q4_linear(x, qs, d, m if fmt == "q4_1" else None, cols, w_cols)
 
 
-def linears(x: torch.Tensor, qs: list[torch.Tensor], d: list[torch.Tensor],
-            m: list[Optional[torch.Tensor]]) -> list[torch.Tensor]:
+def linears(x: torch.Tensor, qs: list[torch.Tensor], d: list[torch.Tensor], m: list[Optional[torch.Tensor]],
+            cols: Optional[list[Optional[torch.Tensor]]] = None,
+            w_cols: Optional[list[Optional[torch.Tensor]]] = None) -> list[torch.Tensor]:
     """``x`` [rows, in] times several packed matrices that read it (a layer's q, k and v): one
     ``[rows, out_i]`` per matrix, the cores splitting all their rows in one pass. Each matrix is
     ``qs[i], d[i], m[i]`` as in ``linear``; its format follows from them (int8 ``qs``: Q8_0;
-    uint8 with ``m``: Q4_1; without: Q4_0)."""
-    return torch.ops.minillm.packed_linears(x, qs, d, m)
+    uint8 with ``m``: Q4_1; without: Q4_0). ``cols[i]`` / ``w_cols[i]``: the input columns a
+    matrix keeps in float32 beside its blocks and their weights (``quant.quantize_with_outliers``),
+    added in the same pass."""
+    none: list[Optional[torch.Tensor]] = [None] * len(qs)
+    return torch.ops.minillm.packed_linears(x, qs, d, m, none if cols is None else cols,
+                                            none if w_cols is None else w_cols)
 
 
 def f32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -117,7 +124,7 @@ def _register_shapes() -> None:
     torch.library.register_fake("minillm::q8_0_linear", fake_linear)
     torch.library.register_fake("minillm::q4_linear", fake_linear)
     torch.library.register_fake("minillm::packed_linears",
-                                lambda x, qs, d, m: [x.new_empty(x.shape[0], q.shape[0]) for q in qs])
+                                lambda x, qs, d, m, cols, w_cols: [x.new_empty(x.shape[0], q.shape[0]) for q in qs])
     torch.library.register_fake("minillm::paged_decode_attention", fake_attention)
     torch.library.register_fake("minillm::f32_linear", lambda x, weight: x.new_empty(x.shape[0], weight.shape[0]))
 

@@ -59,6 +59,9 @@ struct Matrix {          // one quantized weight matrix
   int64_t out, blocks;
   bool four_bit;
   bool q4_0;             // m = -8 d
+  const int64_t* cols = nullptr;  // input columns kept in float32 beside the blocks (or none)
+  const float* w_cols = nullptr;  // their weights, one row per column [n_cols, out]
+  int64_t n_cols = 0;
   int64_t block_bytes() const { return four_bit ? 16 : 32; }
   // The block's weight for level 0: Q4_1's minimum, -8 d for Q4_0 (4-bit formats only).
   float minimum(int64_t o, int64_t b, float scale) const {
@@ -354,6 +357,18 @@ void rows_of(const Matrix& w, const float* x, int64_t n_rows, int64_t in, float*
     rows<Format::q4_1>(w, x, n_rows, in, y, begin, end);
 }
 
+// y[r][o] += the float32 columns' share, sum_k w_cols[k][o] x[r][cols[k]], for output rows
+// [begin, end), by the task that computed them: a contiguous, vectorized stretch per column.
+void add_columns(const Matrix& w, const float* x, int64_t n_rows, int64_t in, float* y, int64_t begin, int64_t end) {
+  for (int64_t r = 0; r < n_rows; ++r)
+    for (int64_t k = 0; k < w.n_cols; ++k) {
+      const float xk = x[r * in + w.cols[k]];
+      const float* wk = w.w_cols + k * w.out;
+      float* yr = y + r * w.out;
+      for (int64_t o = begin; o < end; ++o) yr[o] += wk[o] * xk;
+    }
+}
+
 // x times each of several matrices that share it (a layer's q/k/v, or gate/up): one result per
 // matrix. For a decode step the cores split *all* their output rows between them in one
 // parallel region (one fork and join instead of one per matrix, and the small k/v matrices no
@@ -369,7 +384,11 @@ std::vector<at::Tensor> linears(const at::Tensor& x, const std::vector<Matrix>& 
     if (n_rows > kPackedRows) {  // prefill: a float copy of this one matrix, then MKL's product
       at::Tensor weight = at::empty({w.out, in}, x.options());
       float* wp = weight.data_ptr<float>();
-      at::parallel_for(0, w.out, 16, [&](int64_t begin, int64_t end) { dequantize_rows(w, wp, begin, end); });
+      at::parallel_for(0, w.out, 16, [&](int64_t begin, int64_t end) {
+        dequantize_rows(w, wp, begin, end);
+        for (int64_t k = 0; k < w.n_cols; ++k)  // the float columns, added to the copy (zeros in the blocks)
+          for (int64_t o = begin; o < end; ++o) wp[o * in + w.cols[k]] += w.w_cols[k * w.out + o];
+      });
       ys.push_back(at::mm(x, weight.t()));
     } else {
       ys.push_back(at::empty({n_rows, w.out}, x.options()));
@@ -383,7 +402,10 @@ std::vector<at::Tensor> linears(const at::Tensor& x, const std::vector<Matrix>& 
     int64_t first = 0;  // the row of the whole list where matrix i starts
     for (size_t i = 0; i < ws.size(); first += ws[i].out, ++i) {
       const int64_t lo = std::max(begin, first), hi = std::min(end, first + ws[i].out);
-      if (lo < hi) rows_of(ws[i], xp, n_rows, in, ys[i].data_ptr<float>(), lo - first, hi - first);
+      if (lo < hi) {
+        rows_of(ws[i], xp, n_rows, in, ys[i].data_ptr<float>(), lo - first, hi - first);
+        if (ws[i].n_cols) add_columns(ws[i], xp, n_rows, in, ys[i].data_ptr<float>(), lo - first, hi - first);
+      }
     }
   });
   return ys;
@@ -407,34 +429,69 @@ Matrix blocks(const at::Tensor& qs, const at::Tensor& d, const std::optional<at:
                 qs.size(0), qs.size(1), !eight_bit, !eight_bit && !m};
 }
 
-at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d) {
+// A matrix's float32 columns (``cols`` int64 [k], ``w_cols`` float32 [k, out]:
+// quant.quantize_with_outliers), checked and attached to it.
+void attach_columns(Matrix& w, const std::optional<at::Tensor>& cols, const std::optional<at::Tensor>& w_cols,
+                    const char* name, size_t i) {
+  TORCH_CHECK(cols.has_value() == w_cols.has_value(), name, ": matrix ", i, " has ",
+              cols ? "cols without w_cols" : "w_cols without cols");
+  if (!cols) return;
+  TORCH_CHECK(cols->scalar_type() == at::kLong && cols->dim() == 1 && cols->is_contiguous(), name, ": cols of matrix ",
+              i, " must be contiguous int64 [k], got ", cols->scalar_type(), " ", cols->sizes());
+  TORCH_CHECK(w_cols->scalar_type() == at::kFloat && w_cols->is_contiguous() && w_cols->dim() == 2 &&
+                  w_cols->size(0) == cols->size(0) && w_cols->size(1) == w.out,
+              name, ": w_cols of matrix ", i, " must be contiguous float32 [", cols->size(0), ", ", w.out, "], got ",
+              w_cols->scalar_type(), " ", w_cols->sizes());
+  const int64_t* cp = cols->data_ptr<int64_t>();
+  for (int64_t k = 0; k < cols->size(0); ++k)
+    TORCH_CHECK(cp[k] >= 0 && cp[k] < w.blocks * kBlock, name, ": column ", cp[k], " of matrix ", i,
+                " is outside its ", w.blocks * kBlock, " inputs");
+  w.cols = cp;
+  w.w_cols = w_cols->data_ptr<float>();
+  w.n_cols = cols->size(0);
+}
+
+at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                       const std::optional<at::Tensor>& cols, const std::optional<at::Tensor>& w_cols) {
   TORCH_CHECK(qs.scalar_type() == at::kChar, "q8_0_linear: qs must be int8, got ", qs.scalar_type());
-  return linears(x, {blocks(qs, d, std::nullopt, "q8_0_linear")}, "q8_0_linear")[0];
+  Matrix w = blocks(qs, d, std::nullopt, "q8_0_linear");
+  attach_columns(w, cols, w_cols, "q8_0_linear", 0);
+  return linears(x, {w}, "q8_0_linear")[0];
 }
 
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
-                     const std::optional<at::Tensor>& m) {
+                     const std::optional<at::Tensor>& m, const std::optional<at::Tensor>& cols,
+                     const std::optional<at::Tensor>& w_cols) {
   TORCH_CHECK(qs.scalar_type() == at::kByte, "q4_linear: qs must be uint8, got ", qs.scalar_type());
-  return linears(x, {blocks(qs, d, m, "q4_linear")}, "q4_linear")[0];
+  Matrix w = blocks(qs, d, m, "q4_linear");
+  attach_columns(w, cols, w_cols, "q4_linear", 0);
+  return linears(x, {w}, "q4_linear")[0];
 }
 
 // Several matrices in any of the three formats (Q8_0: int8 qs; Q4_1: uint8 qs with m; Q4_0:
-// uint8 qs without).
+// uint8 qs without), each with its float32 columns if it has some.
 std::vector<at::Tensor> packed_linears(const at::Tensor& x, at::TensorList qs, at::TensorList d,
-                                       const c10::List<std::optional<at::Tensor>>& m) {
-  TORCH_CHECK(qs.size() == d.size() && qs.size() == m.size() && !qs.empty(),
-              "packed_linears: one qs, d and m per matrix, got ", qs.size(), ", ", d.size(), " and ", m.size());
+                                       const c10::List<std::optional<at::Tensor>>& m,
+                                       const c10::List<std::optional<at::Tensor>>& cols,
+                                       const c10::List<std::optional<at::Tensor>>& w_cols) {
+  TORCH_CHECK(qs.size() == d.size() && qs.size() == m.size() && qs.size() == cols.size() &&
+                  qs.size() == w_cols.size() && !qs.empty(),
+              "packed_linears: one qs, d, m, cols and w_cols per matrix, got ", qs.size(), ", ", d.size(), ", ",
+              m.size(), ", ", cols.size(), " and ", w_cols.size());
   std::vector<Matrix> ws;
-  for (size_t i = 0; i < qs.size(); ++i) ws.push_back(blocks(qs[i], d[i], m.get(i), "packed_linears"));
+  for (size_t i = 0; i < qs.size(); ++i) {
+    ws.push_back(blocks(qs[i], d[i], m.get(i), "packed_linears"));
+    attach_columns(ws.back(), cols.get(i), w_cols.get(i), "packed_linears", i);
+  }
   return linears(x, ws, "packed_linears");
 }
 
 }  // namespace
 
 TORCH_LIBRARY(minillm, lib) {
-  lib.def("q8_0_linear(Tensor x, Tensor qs, Tensor d) -> Tensor");
-  lib.def("q4_linear(Tensor x, Tensor qs, Tensor d, Tensor? m) -> Tensor");
-  lib.def("packed_linears(Tensor x, Tensor[] qs, Tensor[] d, Tensor?[] m) -> Tensor[]");
+  lib.def("q8_0_linear(Tensor x, Tensor qs, Tensor d, Tensor? cols=None, Tensor? w_cols=None) -> Tensor");
+  lib.def("q4_linear(Tensor x, Tensor qs, Tensor d, Tensor? m, Tensor? cols=None, Tensor? w_cols=None) -> Tensor");
+  lib.def("packed_linears(Tensor x, Tensor[] qs, Tensor[] d, Tensor?[] m, Tensor?[] cols, Tensor?[] w_cols) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(minillm, CPU, lib) {
