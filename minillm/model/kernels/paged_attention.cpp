@@ -155,23 +155,24 @@ void attend_chunk16(const Shape& sh, const float* q, const float* k_pool, const 
 #endif
 
 #ifdef MINILLM_AVX2
-// The AVX2 version of attend_chunk16: 8 keys at a time (8 scores in one register), 16 registers,
-// so each query head's output is updated on its own (the values come from the L1 cache again
-// for the next head of the group).
+// The AVX2 version of attend_chunk16: 16 keys per step as two registers of 8 scores (the softmax
+// bookkeeping -- maximum, rescale, sums -- once per 16 keys, as there), 16 registers, so each
+// query head's output is updated on its own (the values come from the L1 cache again for the
+// next head of the group).
 template <int D>
-void attend_chunk8(const Shape& sh, const float* q, const float* k_pool, const float* v_pool, const int64_t* table,
+void attend_chunk_avx2(const Shape& sh, const float* q, const float* k_pool, const float* v_pool, const int64_t* table,
                    int64_t first, int64_t last, Partial out, float* p, float* keep) {
   constexpr int V = D / 8;  // registers per head vector
   const int64_t B = sh.block_size, head_stride = B * D, block_stride = sh.n_kv_heads * head_stride;
   const __m256 scale = _mm256_set1_ps(sh.scale), minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  const float* keys[8];
-  const float* values[8];
-  for (int64_t start = first; start < last; start += 8) {
-    const int n = static_cast<int>(std::min<int64_t>(8, last - start));
-    const __m256 valid = first_lanes(n);
+  const float* keys[16];
+  const float* values[16];
+  for (int64_t start = first; start < last; start += 16) {
+    const int n = static_cast<int>(std::min<int64_t>(16, last - start));
+    const __m256 valid[2] = {first_lanes(n), first_lanes(n - 8)};
     for (int64_t kv_head = 0; kv_head < sh.n_kv_heads; ++kv_head) {
-      for (int j = 0; j < n; ++j) {
-        const int64_t position = start + j;
+      for (int j = 0; j < 16; ++j) {  // keys past n point at the first one: their scores are masked
+        const int64_t position = start + (j < n ? j : 0);
         const int64_t at = table[position / B] * block_stride + kv_head * head_stride + (position % B) * D;
         keys[j] = k_pool + at;
         values[j] = v_pool + at;
@@ -179,22 +180,32 @@ void attend_chunk8(const Shape& sh, const float* q, const float* k_pool, const f
       const int64_t first_head = kv_head * sh.groups;
       for (int64_t g = 0; g < sh.groups; ++g) {
         const int64_t head = first_head + g;
-        __m256 t[8];
+        __m256 s[2];
+        for (int half = 0; half < 2; ++half) {
+          // 8 dot products side by side, 8 dimensions at a time: each piece of q loaded once for 8 keys
+          __m256 t[8];
 #pragma GCC unroll 8
-        for (int j = 0; j < 8; ++j) {
-          t[j] = _mm256_setzero_ps();
-          if (j < n)
+          for (int j = 0; j < 8; ++j) t[j] = _mm256_setzero_ps();
+          if (half * 8 < n) {
 #pragma GCC unroll 16
-            for (int i = 0; i < V; ++i)
-              t[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + head * D + 8 * i), _mm256_loadu_ps(keys[j] + 8 * i), t[j]);
+            for (int i = 0; i < V; ++i) {
+              const __m256 qi = _mm256_loadu_ps(q + head * D + 8 * i);
+#pragma GCC unroll 8
+              for (int j = 0; j < 8; ++j)
+                t[j] = _mm256_fmadd_ps(qi, _mm256_loadu_ps(keys[8 * half + j] + 8 * i), t[j]);
+            }
+          }
+          s[half] = _mm256_blendv_ps(minus_inf, _mm256_mul_ps(sum8(t), scale), valid[half]);
         }
-        const __m256 s = _mm256_blendv_ps(minus_inf, _mm256_mul_ps(sum8(t), scale), valid);
-        const float new_max = std::max(out.max[head], reduce_max(s));
+        const float new_max = std::max(out.max[head], reduce_max(_mm256_max_ps(s[0], s[1])));
         keep[g] = std::exp(out.max[head] - new_max);  // rescales what was summed so far (0 at the start)
-        const __m256 e = _mm256_and_ps(valid, exp8(_mm256_sub_ps(s, _mm256_set1_ps(new_max))));
-        out.sum[head] = out.sum[head] * keep[g] + reduce_add(e);
+        const __m256 m = _mm256_set1_ps(new_max);
+        const __m256 e0 = _mm256_and_ps(valid[0], exp8(_mm256_sub_ps(s[0], m)));
+        const __m256 e1 = _mm256_and_ps(valid[1], exp8(_mm256_sub_ps(s[1], m)));
+        out.sum[head] = out.sum[head] * keep[g] + reduce_add(_mm256_add_ps(e0, e1));
         out.max[head] = new_max;
-        _mm256_storeu_ps(p + g * 8, e);
+        _mm256_storeu_ps(p + g * 16, e0);
+        _mm256_storeu_ps(p + g * 16 + 8, e1);
       }
       for (int64_t g = 0; g < sh.groups; ++g) {
         float* acc_h = out.acc + (first_head + g) * D;
@@ -202,7 +213,7 @@ void attend_chunk8(const Shape& sh, const float* q, const float* k_pool, const f
 #pragma GCC unroll 16
         for (int i = 0; i < V; ++i) acc[i] = _mm256_mul_ps(_mm256_set1_ps(keep[g]), _mm256_loadu_ps(acc_h + 8 * i));
         for (int j = 0; j < n; ++j) {
-          const __m256 w = _mm256_set1_ps(p[g * 8 + j]);
+          const __m256 w = _mm256_set1_ps(p[g * 16 + j]);
 #pragma GCC unroll 16
           for (int i = 0; i < V; ++i) acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(values[j] + 8 * i), acc[i]);
         }
@@ -251,11 +262,11 @@ void run_chunk(const Shape& sh, const float* q, const float* k_pool, const float
   if (sh.head_dim == 128) return attend_chunk16<128>(sh, q, k_pool, v_pool, table, first, last, out, p, keep);
 #endif
 #ifdef MINILLM_AVX2
-  scratch.resize(sh.groups * 9);  // 8 probabilities and a rescale factor per head of a group
+  scratch.resize(sh.groups * 17);  // 16 probabilities and a rescale factor per head of a group
   float* p = scratch.data();
-  float* keep = p + sh.groups * 8;
-  if (sh.head_dim == 64) return attend_chunk8<64>(sh, q, k_pool, v_pool, table, first, last, out, p, keep);
-  if (sh.head_dim == 128) return attend_chunk8<128>(sh, q, k_pool, v_pool, table, first, last, out, p, keep);
+  float* keep = p + sh.groups * 16;
+  if (sh.head_dim == 64) return attend_chunk_avx2<64>(sh, q, k_pool, v_pool, table, first, last, out, p, keep);
+  if (sh.head_dim == 128) return attend_chunk_avx2<128>(sh, q, k_pool, v_pool, table, first, last, out, p, keep);
 #endif
   attend_chunk(sh, q, k_pool, v_pool, table, first, last, out);
 }
