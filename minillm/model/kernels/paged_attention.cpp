@@ -73,6 +73,20 @@ inline int64_t chunk_keys(int64_t length) {
   return std::clamp<int64_t>((length / 4 + 15) / 16 * 16, 64, 512);
 }
 
+// Where keys start .. start + 16 of one KV head lie in the pools (each a [head_dim] vector):
+// keys[j], values[j]. Those past n point at the first key (a vector version reads them, then masks
+// their scores).
+inline void locate16(const Shape& sh, const float* k_pool, const float* v_pool, const int64_t* table, int64_t start,
+                     int n, int64_t kv_head, const float* (&keys)[16], const float* (&values)[16]) {
+  const int64_t B = sh.block_size, D = sh.head_dim, head_stride = B * D, block_stride = sh.n_kv_heads * head_stride;
+  for (int j = 0; j < 16; ++j) {
+    const int64_t position = start + (j < n ? j : 0);
+    const int64_t at = table[position / B] * block_stride + kv_head * head_stride + (position % B) * D;
+    keys[j] = k_pool + at;
+    values[j] = v_pool + at;
+  }
+}
+
 #ifdef MINILLM_AVX512
 // Keys [first, last) of one row for every head, 16 keys at a time wherever they lie, for
 // head_dim = D (a multiple of 16): the 16 scores of a query head land in one register, so the
@@ -83,7 +97,6 @@ void attend_chunk16(const Shape& sh, const float* q, const float* k_pool, const 
                     int64_t first, int64_t last, Partial out, float* p, float* keep) {
   constexpr int V = D / 16;       // registers per head vector
   constexpr int H = 16 / V;       // query heads whose outputs fit in 16 registers
-  const int64_t B = sh.block_size, head_stride = B * D, block_stride = sh.n_kv_heads * head_stride;
   const __m512 scale = _mm512_set1_ps(sh.scale), minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const float* keys[16];
   const float* values[16];
@@ -91,12 +104,7 @@ void attend_chunk16(const Shape& sh, const float* q, const float* k_pool, const 
     const int n = static_cast<int>(std::min<int64_t>(16, last - start));
     const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
     for (int64_t kv_head = 0; kv_head < sh.n_kv_heads; ++kv_head) {
-      for (int j = 0; j < n; ++j) {
-        const int64_t position = start + j;
-        const int64_t at = table[position / B] * block_stride + kv_head * head_stride + (position % B) * D;
-        keys[j] = k_pool + at;
-        values[j] = v_pool + at;
-      }
+      locate16(sh, k_pool, v_pool, table, start, n, kv_head, keys, values);
       // scores and softmax bookkeeping for each query head of the group sharing these keys
       const int64_t first_head = kv_head * sh.groups;
       for (int64_t g = 0; g < sh.groups; ++g) {
@@ -155,15 +163,14 @@ void attend_chunk16(const Shape& sh, const float* q, const float* k_pool, const 
 #endif
 
 #ifdef MINILLM_AVX2
-// The AVX2 version of attend_chunk16: 16 keys per step as two registers of 8 scores (the softmax
+// The AVX2 version of the same: 16 keys per step as two registers of 8 scores (the softmax
 // bookkeeping -- maximum, rescale, sums -- once per 16 keys, as there), 16 registers, so each
 // query head's output is updated on its own (the values come from the L1 cache again for the
 // next head of the group).
 template <int D>
-void attend_chunk_avx2(const Shape& sh, const float* q, const float* k_pool, const float* v_pool, const int64_t* table,
+void attend_chunk16(const Shape& sh, const float* q, const float* k_pool, const float* v_pool, const int64_t* table,
                    int64_t first, int64_t last, Partial out, float* p, float* keep) {
   constexpr int V = D / 8;  // registers per head vector
-  const int64_t B = sh.block_size, head_stride = B * D, block_stride = sh.n_kv_heads * head_stride;
   const __m256 scale = _mm256_set1_ps(sh.scale), minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   const float* keys[16];
   const float* values[16];
@@ -171,12 +178,7 @@ void attend_chunk_avx2(const Shape& sh, const float* q, const float* k_pool, con
     const int n = static_cast<int>(std::min<int64_t>(16, last - start));
     const __m256 valid[2] = {first_lanes(n), first_lanes(n - 8)};
     for (int64_t kv_head = 0; kv_head < sh.n_kv_heads; ++kv_head) {
-      for (int j = 0; j < 16; ++j) {  // keys past n point at the first one: their scores are masked
-        const int64_t position = start + (j < n ? j : 0);
-        const int64_t at = table[position / B] * block_stride + kv_head * head_stride + (position % B) * D;
-        keys[j] = k_pool + at;
-        values[j] = v_pool + at;
-      }
+      locate16(sh, k_pool, v_pool, table, start, n, kv_head, keys, values);
       const int64_t first_head = kv_head * sh.groups;
       for (int64_t g = 0; g < sh.groups; ++g) {
         const int64_t head = first_head + g;
@@ -254,19 +256,12 @@ void run_chunk(const Shape& sh, const float* q, const float* k_pool, const float
   std::fill(out.max, out.max + sh.n_heads, -std::numeric_limits<float>::infinity());
   std::fill(out.sum, out.sum + sh.n_heads, 0.0f);
   std::fill(out.acc, out.acc + sh.n_heads * sh.head_dim, 0.0f);
-#ifdef MINILLM_AVX512
+#if defined(MINILLM_AVX512) || defined(MINILLM_AVX2)
   scratch.resize(sh.groups * 17);  // 16 probabilities and a rescale factor per head of a group
   float* p = scratch.data();
   float* keep = p + sh.groups * 16;
   if (sh.head_dim == 64) return attend_chunk16<64>(sh, q, k_pool, v_pool, table, first, last, out, p, keep);
   if (sh.head_dim == 128) return attend_chunk16<128>(sh, q, k_pool, v_pool, table, first, last, out, p, keep);
-#endif
-#ifdef MINILLM_AVX2
-  scratch.resize(sh.groups * 17);  // 16 probabilities and a rescale factor per head of a group
-  float* p = scratch.data();
-  float* keep = p + sh.groups * 16;
-  if (sh.head_dim == 64) return attend_chunk_avx2<64>(sh, q, k_pool, v_pool, table, first, last, out, p, keep);
-  if (sh.head_dim == 128) return attend_chunk_avx2<128>(sh, q, k_pool, v_pool, table, first, last, out, p, keep);
 #endif
   attend_chunk(sh, q, k_pool, v_pool, table, first, last, out);
 }
