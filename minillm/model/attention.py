@@ -130,8 +130,8 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     each block read once where it lies, an online softmax 16 keys at a time, a row's keys split
     over the cores. Measured on the course machine against the PyTorch formulation below,
     compiled: 2-4x faster at 256 keys, 1.1-1.4x at 1024-4096 keys, where both wait on memory.
-    Elsewhere (other dtypes, GPUs, head sizes other than 64 and 128, a CPU without AVX-512 or no
-    C++ compiler) it runs ``paged_decode_attention_reference``.
+    Elsewhere (other dtypes, GPUs, head sizes other than 64 and 128, a CPU without AVX-512 or AVX2, or
+    no C++ compiler) it runs ``paged_decode_attention_reference``.
     """
     fast = q.device.type == "cpu" and q.dtype == k_pool.dtype == torch.float32 and q.shape[-1] in (64, 128)
     if fast and kernels.vectorized():

@@ -42,7 +42,7 @@ class Linear(torch.nn.Linear):
     faster (the batch-8 step: 88 -> 62 ms); the hand-written ``kernels.f32_linear``, which reads
     each weight once for all the rows while it is in registers, is 1.5-2.5x faster again at 8
     rows (measured: 40-55 ms vs 70-87 ms per batch-8 step, interleaved), so it runs wherever its
-    AVX-512 version is built (``kernels.vectorized()``), oneDNN elsewhere. One row stays the
+    AVX-512 or AVX2 version is built (``kernels.vectorized()``), oneDNN elsewhere. One row stays the
     compiled reduction: the kernel was slower there (28-31 vs 20-25 ms per token). Everything
     else — eager calls, prefill, other devices and dtypes — calls ``F.linear`` as usual.
     """

@@ -19,15 +19,19 @@ nibble and weight ``j + 16`` in its high nibble. Here a quantized matrix is kept
 
 ``QuantizedLinear`` multiplies by such a matrix. On a CPU it calls the packed kernel of
 ``minillm/model/kernels`` (C++, built on the machine at first use): it reads each packed byte
-once and turns 16 codes into weights per instruction — a 4-bit block has only 16 possible
-weights, ``d * k + m``, computed into one register and *looked up* by the codes — then
-multiplies in float32, so the float matrix never exists and the result is ``F.linear(x,
+once and turns 16 codes into weights per instruction with AVX-512 — a 4-bit block has only 16
+possible weights, ``d * k + m``, computed into one register and *looked up* by the codes — or 8
+per instruction with AVX2 (converted, not looked up), then multiplies in float32, so the float matrix never exists and the result is ``F.linear(x,
 dequantize(W))`` up to float32 rounding. PyTorch's own
 formulation stays as the fallback where the kernel cannot be built: compiled with one row, a
 reduction over the packed integers — ``(q.float() * d * x).sum()`` — that ``torch.compile``
 turns into one loop over the bytes (``_matvec``; notebook 11 measures it compute-bound, slower
 per weight than float32); everything else (prefill, batches, eager calls, other devices)
 dequantizes into a float matrix and calls ``F.linear``.
+
+``quantize_model`` with a calibration text (what ``load_model(weights="q8_0" | "q4_0")`` does)
+keeps each matrix's few outlier input channels in float32 beside the blocks
+(``quantize_with_outliers``); the kernel adds their share in the same pass.
 
 The quantizers reproduce ggml's reference code bit for bit (checked against the ``gguf``
 package), including its rounding: half away from zero for Q8_0, ``trunc(x + 0.5)`` for Q4.
