@@ -75,15 +75,25 @@ inline int64_t chunk_keys(int64_t length) {
 
 // Where keys start .. start + 16 of one KV head lie in the pools (each a [head_dim] vector):
 // keys[j], values[j]. Those past n point at the first key (a vector version reads them, then masks
-// their scores).
+// their scores). One division finds the first key's block; the others follow it, block by block.
 inline void locate16(const Shape& sh, const float* k_pool, const float* v_pool, const int64_t* table, int64_t start,
                      int n, int64_t kv_head, const float* (&keys)[16], const float* (&values)[16]) {
   const int64_t B = sh.block_size, D = sh.head_dim, head_stride = B * D, block_stride = sh.n_kv_heads * head_stride;
-  for (int j = 0; j < 16; ++j) {
-    const int64_t position = start + (j < n ? j : 0);
-    const int64_t at = table[position / B] * block_stride + kv_head * head_stride + (position % B) * D;
-    keys[j] = k_pool + at;
-    values[j] = v_pool + at;
+  const float* k_head = k_pool + kv_head * head_stride;
+  const float* v_head = v_pool + kv_head * head_stride;
+  int64_t block = start / B, in_block = start % B, at = table[block] * block_stride + in_block * D;
+  for (int j = 0; j < n; ++j) {
+    keys[j] = k_head + at;
+    values[j] = v_head + at;
+    at += D;
+    if (++in_block == B && j + 1 < n) {  // the next key opens the next block of the table
+      in_block = 0;
+      at = table[++block] * block_stride;
+    }
+  }
+  for (int j = n; j < 16; ++j) {
+    keys[j] = keys[0];
+    values[j] = values[0];
   }
 }
 
@@ -163,59 +173,72 @@ void attend_chunk16(const Shape& sh, const float* q, const float* k_pool, const 
 #endif
 
 #ifdef MINILLM_AVX2
-// The AVX2 version of the same: 16 keys per step as two registers of 8 scores (the softmax
-// bookkeeping -- maximum, rescale, sums -- once per 16 keys, as there), 16 registers, so each
-// query head's output is updated on its own (the values come from the L1 cache again for the
-// next head of the group).
+// The AVX2 version has 16 registers, too few to keep a group's outputs in registers while the
+// softmax moves on 16 keys at a time, so it takes the chunk in three passes instead: every
+// score of the chunk (p [n_heads, stride], in the L1/L2 cache), then each head's maximum, exps
+// and sum over the whole chunk at once, then the values weighted by those probabilities. The
+// keys are read in the first pass and the values in the last, each once; the rescaling of the
+// online softmax is not needed inside a chunk (a task is one chunk), only in the final merge.
 template <int D>
 void attend_chunk16(const Shape& sh, const float* q, const float* k_pool, const float* v_pool, const int64_t* table,
-                   int64_t first, int64_t last, Partial out, float* p, float* keep) {
+                    int64_t first, int64_t last, Partial out, float* p) {
   constexpr int V = D / 8;  // registers per head vector
-  const __m256 scale = _mm256_set1_ps(sh.scale), minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const int64_t n_keys = last - first, stride = (n_keys + 15) / 16 * 16;
+  const __m256 scale = _mm256_set1_ps(sh.scale);
   const float* keys[16];
   const float* values[16];
+  // 1. the scores, 8 keys side by side per query head: each piece of q loaded once for 8 keys
   for (int64_t start = first; start < last; start += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, last - start));
-    const __m256 valid[2] = {first_lanes(n), first_lanes(n - 8)};
     for (int64_t kv_head = 0; kv_head < sh.n_kv_heads; ++kv_head) {
       locate16(sh, k_pool, v_pool, table, start, n, kv_head, keys, values);
-      const int64_t first_head = kv_head * sh.groups;
-      for (int64_t g = 0; g < sh.groups; ++g) {
-        const int64_t head = first_head + g;
-        __m256 s[2];
-        for (int half = 0; half < 2; ++half) {
-          // 8 dot products side by side, 8 dimensions at a time: each piece of q loaded once for 8 keys
+      for (int64_t head = kv_head * sh.groups; head < (kv_head + 1) * sh.groups; ++head) {
+        for (int half = 0; half * 8 < n; ++half) {
           __m256 t[8];
 #pragma GCC unroll 8
           for (int j = 0; j < 8; ++j) t[j] = _mm256_setzero_ps();
-          if (half * 8 < n) {
 #pragma GCC unroll 16
-            for (int i = 0; i < V; ++i) {
-              const __m256 qi = _mm256_loadu_ps(q + head * D + 8 * i);
+          for (int i = 0; i < V; ++i) {
+            const __m256 qi = _mm256_loadu_ps(q + head * D + 8 * i);
 #pragma GCC unroll 8
-              for (int j = 0; j < 8; ++j)
-                t[j] = _mm256_fmadd_ps(qi, _mm256_loadu_ps(keys[8 * half + j] + 8 * i), t[j]);
-            }
+            for (int j = 0; j < 8; ++j) t[j] = _mm256_fmadd_ps(qi, _mm256_loadu_ps(keys[8 * half + j] + 8 * i), t[j]);
           }
-          s[half] = _mm256_blendv_ps(minus_inf, _mm256_mul_ps(sum8(t), scale), valid[half]);
+          _mm256_storeu_ps(p + head * stride + (start - first) + 8 * half, _mm256_mul_ps(sum8(t), scale));
         }
-        const float new_max = std::max(out.max[head], reduce_max(_mm256_max_ps(s[0], s[1])));
-        keep[g] = std::exp(out.max[head] - new_max);  // rescales what was summed so far (0 at the start)
-        const __m256 m = _mm256_set1_ps(new_max);
-        const __m256 e0 = _mm256_and_ps(valid[0], exp8(_mm256_sub_ps(s[0], m)));
-        const __m256 e1 = _mm256_and_ps(valid[1], exp8(_mm256_sub_ps(s[1], m)));
-        out.sum[head] = out.sum[head] * keep[g] + reduce_add(_mm256_add_ps(e0, e1));
-        out.max[head] = new_max;
-        _mm256_storeu_ps(p + g * 16, e0);
-        _mm256_storeu_ps(p + g * 16 + 8, e1);
       }
-      for (int64_t g = 0; g < sh.groups; ++g) {
-        float* acc_h = out.acc + (first_head + g) * D;
+    }
+  }
+  // 2. per head: the chunk's largest score, then exp(score - max) in place and their sum
+  for (int64_t head = 0; head < sh.n_heads; ++head) {
+    float* ph = p + head * stride;
+    __m256 m = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t i = 0; i < n_keys; i += 8)
+      m = _mm256_max_ps(m, _mm256_blendv_ps(m, _mm256_loadu_ps(ph + i), first_lanes(static_cast<int>(n_keys - i))));
+    const float max = reduce_max(m);
+    const __m256 mv = _mm256_set1_ps(max);
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n_keys; i += 8) {
+      const __m256 e = _mm256_and_ps(first_lanes(static_cast<int>(n_keys - i)), exp8(_mm256_sub_ps(_mm256_loadu_ps(ph + i), mv)));
+      _mm256_storeu_ps(ph + i, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    out.max[head] = max;
+    out.sum[head] = reduce_add(sum);
+  }
+  // 3. the weighted values, 16 keys at a time, each query head's output in 8 registers (the
+  // values come from the L1 cache again for the next head of the group)
+  for (int64_t start = first; start < last; start += 16) {
+    const int n = static_cast<int>(std::min<int64_t>(16, last - start));
+    for (int64_t kv_head = 0; kv_head < sh.n_kv_heads; ++kv_head) {
+      locate16(sh, k_pool, v_pool, table, start, n, kv_head, keys, values);
+      for (int64_t head = kv_head * sh.groups; head < (kv_head + 1) * sh.groups; ++head) {
+        const float* ph = p + head * stride + (start - first);
+        float* acc_h = out.acc + head * D;
         __m256 acc[V];
 #pragma GCC unroll 16
-        for (int i = 0; i < V; ++i) acc[i] = _mm256_mul_ps(_mm256_set1_ps(keep[g]), _mm256_loadu_ps(acc_h + 8 * i));
+        for (int i = 0; i < V; ++i) acc[i] = _mm256_loadu_ps(acc_h + 8 * i);
         for (int j = 0; j < n; ++j) {
-          const __m256 w = _mm256_set1_ps(p[g * 16 + j]);
+          const __m256 w = _mm256_set1_ps(ph[j]);
 #pragma GCC unroll 16
           for (int i = 0; i < V; ++i) acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(values[j] + 8 * i), acc[i]);
         }
@@ -256,12 +279,17 @@ void run_chunk(const Shape& sh, const float* q, const float* k_pool, const float
   std::fill(out.max, out.max + sh.n_heads, -std::numeric_limits<float>::infinity());
   std::fill(out.sum, out.sum + sh.n_heads, 0.0f);
   std::fill(out.acc, out.acc + sh.n_heads * sh.head_dim, 0.0f);
-#if defined(MINILLM_AVX512) || defined(MINILLM_AVX2)
+#ifdef MINILLM_AVX512
   scratch.resize(sh.groups * 17);  // 16 probabilities and a rescale factor per head of a group
   float* p = scratch.data();
   float* keep = p + sh.groups * 16;
   if (sh.head_dim == 64) return attend_chunk16<64>(sh, q, k_pool, v_pool, table, first, last, out, p, keep);
   if (sh.head_dim == 128) return attend_chunk16<128>(sh, q, k_pool, v_pool, table, first, last, out, p, keep);
+#endif
+#ifdef MINILLM_AVX2
+  scratch.resize(sh.n_heads * ((last - first + 15) / 16 * 16));  // the chunk's scores, per query head
+  if (sh.head_dim == 64) return attend_chunk16<64>(sh, q, k_pool, v_pool, table, first, last, out, scratch.data());
+  if (sh.head_dim == 128) return attend_chunk16<128>(sh, q, k_pool, v_pool, table, first, last, out, scratch.data());
 #endif
   attend_chunk(sh, q, k_pool, v_pool, table, first, last, out);
 }
