@@ -44,6 +44,20 @@ def _kind(mode: int) -> str:
     return next((name for test, name in kinds if test(mode)), "not a regular file")
 
 
+def existing_path(value: object, what: str, noun: str, expected: str) -> Path:
+    """A path argument (``str`` or ``os.PathLike``) as a ``Path`` to something that exists.
+
+    ``what`` names the argument in the ``TypeError`` ("source", "a tokenizer path"); the
+    ``FileNotFoundError`` says "no {noun} at {path}" and what was ``expected`` there.
+    """
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{what} must be a path (str or Path), got {type(value).__name__}")
+    path = Path(value)
+    if not path.exists():
+        raise FileNotFoundError(f"no {noun} at {path}: expected {expected}")
+    return path
+
+
 def regular_file(path: Path, what: str) -> Path:
     """``path`` if it names an existing regular file (following symlinks); nothing is opened.
 

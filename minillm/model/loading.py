@@ -36,7 +36,7 @@ from minillm.model.gguf_weights import FLOAT_TYPES, NATIVE_TYPES, gguf_tensors, 
 from minillm.model.llama import Transformer
 from minillm.model.quant import FORMATS, quantize_model, use_blocks
 from minillm.model.rope import RotaryEmbedding
-from minillm.safe_io import member_file, read_json, regular_file
+from minillm.safe_io import existing_path, member_file, read_json, regular_file
 from minillm.tokenizer import Tokenizer
 from minillm.tokenizer.files import tokenizer_from_gguf_fields
 
@@ -90,11 +90,7 @@ def load_model(
         path = default_gguf_path()
         model, tokenizer = load_checkpoint(convert_gguf(path), device, dtype)
     else:
-        if not isinstance(source, (str, os.PathLike)):
-            raise TypeError(f"source must be a path (str or Path) or None, got {type(source).__name__}")
-        path = Path(source)
-        if not path.exists():
-            raise FileNotFoundError(f"no model at {path}: expected a .gguf file or an HF checkpoint folder")
+        path = existing_path(source, "source (or None)", "model", "a .gguf file or an HF checkpoint folder")
         if path.is_dir():
             model, tokenizer = load_checkpoint(path, device, dtype)
         elif path.suffix == ".gguf":

@@ -21,6 +21,7 @@ from typing import Any
 
 from minillm.errors import FileFormatError
 from minillm.gguf_io import gguf_fields, open_gguf
+from minillm.safe_io import existing_path
 from minillm.tokenizer.bpe import Pair, Tokenizer
 from minillm.tokenizer.bytes_unicode import bytes_to_token, token_to_bytes
 from minillm.tokenizer.pretokenize import GGUF_PRE_PATTERNS, PreTokenizer
@@ -37,11 +38,7 @@ _GGUF_USER_DEFINED = 4
 def load_tokenizer(path: str | Path) -> Tokenizer:
     """Load a tokenizer from a ``tokenizer.json``, a ``.gguf`` file, or a folder holding either
     ``tokenizer.json``, GPT-2's ``encoder.json`` + ``vocab.bpe``, or ``vocab.json`` + ``merges.txt``."""
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"a tokenizer path must be a str or Path, got {type(path).__name__}")
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"no tokenizer at {path}: the path does not exist")
+    path = existing_path(path, "a tokenizer path", "tokenizer", "a tokenizer.json, a .gguf file or a folder holding one")
     if path.is_dir():
         if _is_regular_file(path / "tokenizer.json"):
             return _load_tokenizer_json(path / "tokenizer.json")
