@@ -47,7 +47,7 @@ def _kind(mode: int) -> str:
 def existing_path(value: object, what: str, noun: str, expected: str) -> Path:
     """A path argument (``str`` or ``os.PathLike``) as a ``Path`` to something that exists.
 
-    ``what`` names the argument in the ``TypeError`` ("source", "a tokenizer path"); the
+    ``what`` names the argument in the ``TypeError`` ("source (or None)", "a tokenizer path"); the
     ``FileNotFoundError`` says "no {noun} at {path}" and what was ``expected`` there.
     """
     if not isinstance(value, (str, os.PathLike)):

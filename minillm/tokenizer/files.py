@@ -38,7 +38,7 @@ _GGUF_USER_DEFINED = 4
 def load_tokenizer(path: str | Path) -> Tokenizer:
     """Load a tokenizer from a ``tokenizer.json``, a ``.gguf`` file, or a folder holding either
     ``tokenizer.json``, GPT-2's ``encoder.json`` + ``vocab.bpe``, or ``vocab.json`` + ``merges.txt``."""
-    path = existing_path(path, "a tokenizer path", "tokenizer", "a tokenizer.json, a .gguf file or a folder holding one")
+    path = existing_path(path, "a tokenizer path", "tokenizer", "a tokenizer.json, a .gguf file or a folder of tokenizer files")
     if path.is_dir():
         if _is_regular_file(path / "tokenizer.json"):
             return _load_tokenizer_json(path / "tokenizer.json")
