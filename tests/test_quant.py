@@ -30,7 +30,7 @@ from minillm.model.quant import (FORMATS, QuantizedEmbedding, QuantizedLinear, d
                                  quantize, to_gguf_blocks, weight_bytes)
 
 from test_loading_hostile import pristine, write_gguf  # noqa: F401  (pristine is a fixture)
-from test_model_units import tiny_tokenizer  # noqa: F401  (a fixture)
+from test_model_units import _tiny_hf_checkpoint, tiny_tokenizer  # noqa: F401  (a fixture)
 
 GGML = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
         "q4_1": gguf.GGMLQuantizationType.Q4_1}
@@ -221,7 +221,7 @@ def test_without_the_kernels_quantized_layers_fall_back_to_dequantizing_and_say_
     # a compiler that fails (here: `false`): the build error is kept, nothing half-built is left behind
     broken = _python(PROBE, CXX="false", MINILLM_CACHE=str(tmp_path))
     assert broken.returncode == 0, broken.stderr
-    assert broken.stdout.split(maxsplit=2)[:2] == ["False", "True"] and "building quant.cpp, paged_attention.cpp, linear.cpp with false failed" in broken.stdout
+    assert broken.stdout.split(maxsplit=2)[:2] == ["False", "True"] and "building quant.cpp, paged_attention.cpp, linear.cpp, decoder_layer.cpp with false failed" in broken.stdout
     assert list((tmp_path / "kernels").iterdir()) == []
 
 
@@ -335,6 +335,84 @@ def test_quantizing_a_checkpoint_at_load_packs_every_matrix(pristine):  # noqa: 
         twin.embed_tokens.weight = torch.nn.Parameter(model.embed_tokens.table.dequantize(), requires_grad=False)
         with torch.inference_mode():
             assert _through_layers(model(ids), twin.double()(ids)), fmt
+
+
+def _float64_twin(model: torch.nn.Module, folder) -> torch.nn.Module:
+    """The float model of ``folder`` with ``model``'s packed weights dequantized into it, in float64."""
+    twin, _ = minillm.load_model(folder, device="cpu")
+    for name, module in model.named_modules():
+        if isinstance(module, QuantizedLinear) and name != "embed_tokens.table":
+            twin.get_submodule(name).weight = torch.nn.Parameter(module.dequantize(), requires_grad=False)
+    twin.embed_tokens.weight = torch.nn.Parameter(model.embed_tokens.table.dequantize(), requires_grad=False)
+    return twin.double()
+
+
+@needs_kernels
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])  # qwen2: biases on q, k and v
+def test_a_packed_models_decode_step_runs_each_layer_as_one_kernel_call(tmp_path, tiny_tokenizer, model_type,  # noqa: F811
+                                                                         monkeypatch):
+    """On a decode step of a packed model (each format, with float32 outlier columns from a
+    calibration text) every layer is one ``packed_decoder_layer`` call: it writes the new keys and
+    values where the block tables say, and the step's logits equal the same model in float64 on
+    the dequantized weights to float32 rounding. Three rows of different lengths, blocks of 4
+    (the rows cross block boundaries), six steps."""
+    from minillm.cache.paged import PagedKVCache
+    from minillm.model import quant
+
+    folder = _tiny_hf_checkpoint(tmp_path, tiny_tokenizer, model_type, vocab_size=300, tie_word_embeddings=False)
+    calls = []
+    layer_kernel = kernels.packed_decoder_layer
+    monkeypatch.setattr(kernels, "packed_decoder_layer", lambda *args: calls.append(1) or layer_kernel(*args))
+    prompts = [[5, 9, 2, 7, 1], [3], [8, 8, 4, 6, 2, 9, 1, 5, 3]]
+    for fmt in FORMATS:
+        model, _ = minillm.load_model(folder, device="cpu")
+        quant.quantize_model(model, fmt, calibration=torch.tensor([prompts[2]]))
+        assert model.layers[0].mlp.down_proj.outlier_cols is not None
+        twin = _float64_twin(model, folder)
+        cache = PagedKVCache(model.config, num_blocks=24, block_size=4)
+        tokens = [list(prompt) for prompt in prompts]
+        with torch.inference_mode():
+            for seq, prompt in enumerate(prompts):
+                cache.add_sequence(seq)
+                model(torch.tensor([prompt]), cache=cache.prepare([seq], len(prompt)))
+            for step in range(6):
+                calls.clear()
+                new = [(sum(t) * 7 + step) % 300 for t in tokens]
+                logits = model(torch.tensor(new)[:, None], cache=cache.prepare([0, 1, 2], 1))[:, -1]
+                assert len(calls) == model.config.n_layers, fmt
+                for t, token in zip(tokens, new):
+                    t.append(token)
+                exact = torch.stack([twin(torch.tensor([t]))[0, -1] for t in tokens])
+                assert _through_layers(logits, exact), (fmt, step)
+
+
+@needs_kernels
+def test_the_layer_kernel_refuses_what_does_not_fit_naming_the_matrix_and_the_slot(pristine):  # noqa: F811
+    from minillm.cache.paged import PagedKVCache
+    from minillm.model import quant
+
+    model, _ = minillm.load_model(pristine, device="cpu", weights="q8_0")
+    config = model.config
+    cache = PagedKVCache(config, num_blocks=4, block_size=4)
+    cache.add_sequence(0)
+    step = cache.prepare([0], 1)
+    x = torch.randn(1, config.hidden_size)
+    cos, sin = torch.ones(1, config.head_dim), torch.zeros(1, config.head_dim)
+
+    def run(arguments: tuple, write_offsets: torch.Tensor = step.write_offsets) -> torch.Tensor:
+        return kernels.packed_decoder_layer(x, arguments, cos, sin, step.k_pools[0], step.v_pools[0], step.write_blocks,
+                                            write_offsets, step.block_tables, step.context_lens)
+
+    arguments = quant.layer_arguments(model.layers[0])
+    assert run(arguments).shape == (1, config.hidden_size)
+    swapped = arguments[:3] + tuple([*part[:4], part[6], part[5], part[4]] for part in arguments[3:])  # gate <-> down
+    with pytest.raises(RuntimeError, match=rf"gate_proj is \[{config.hidden_size}, {config.intermediate_size}\], "
+                                           rf"expected \[any, {config.hidden_size}\]"):
+        run(swapped)
+    with pytest.raises(RuntimeError, match=r"row 0 writes to block \d+ offset 4 of a pool of \d+ blocks of 4"):
+        run(arguments, write_offsets=torch.tensor([4]))
+    with pytest.raises(RuntimeError, match=r"one qs, d, m, cols, w_cols and bias for each of q, k, v, o, gate, up, down"):
+        run(arguments[:3] + tuple(part[:6] for part in arguments[3:]))
 
 
 def test_native_weights_keep_a_gguf_files_blocks_and_equal_its_float_load(tmp_path, pristine, tiny_tokenizer):  # noqa: F811

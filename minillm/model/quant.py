@@ -40,13 +40,16 @@ package), including its rounding: half away from zero for Q8_0, ``trunc(x + 0.5)
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from minillm.model import kernels
+
+if TYPE_CHECKING:
+    from minillm.model.llama import Block
 
 BLOCK_SIZE = 32
 FORMATS = ("q8_0", "q4_0", "q4_1")
@@ -316,6 +319,61 @@ class QuantizedEmbedding(torch.nn.Module):
         rows = dequantize(t.fmt, t.qs[ids].reshape(-1, *t.qs.shape[1:]), t.d[ids].reshape(-1, t.d.shape[-1]),
                           None if m is None else m.reshape(-1, m.shape[-1]), self.dtype)
         return rows.view(*ids.shape, -1)
+
+
+# --------------------------------------------------------------------------- a whole layer
+# A decode step of a packed model spends most of its time in the products, but on the CPU a
+# fifth of it went to the Python between them (inductor's wrapper calling 9 ops and loops per
+# layer). ``kernels.packed_decoder_layer`` runs the whole layer in one call, with the same
+# product and attention kernels: ``Block.forward`` takes that path when it applies.
+
+
+def packs_whole_layer(block: Block) -> bool:
+    """Whether ``block`` is a layer ``kernels.packed_decoder_layer`` can run: the standard norms,
+    attention and SwiGLU modules, float32 norms (and biases, if any), every matrix packed."""
+    from minillm.model.attention import Attention  # (attention and llama import this module)
+    from minillm.model.layers import RMSNorm, SwiGLU
+
+    attn, mlp, norms = block.self_attn, block.mlp, (block.input_layernorm, block.post_attention_layernorm)
+    if type(attn) is not Attention or type(mlp) is not SwiGLU or any(type(norm) is not RMSNorm for norm in norms):
+        return False
+    return (all(type(layer) is QuantizedLinear and (layer.bias is None or layer.bias.dtype == torch.float32)
+                for layer in _matrices(block))
+            and norms[0].eps == norms[1].eps and all(norm.weight.dtype == torch.float32 for norm in norms))
+
+
+def runs_as_one_kernel(block: Block, x: torch.Tensor, cache: Any) -> bool:
+    """Whether ``block`` can run this step as one ``kernels.packed_decoder_layer`` call: a decode
+    step (one new token per row) on a paged float32 cache, on the CPU with the vector kernels
+    built, and a layer that ``packs_whole_layer``."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 3 and x.shape[1] == 1
+            and getattr(cache, "reads_in_place", False) and cache.is_decode
+            and cache.k_pools[0].dtype == torch.float32 and kernels.vectorized() and packs_whole_layer(block))
+
+
+def layer_arguments(block: Block) -> tuple:
+    """What ``kernels.packed_decoder_layer`` needs of a layer: the norms' weights and eps, then the
+    seven matrices' blocks, float32 columns and biases, one list each (q, k, v, o, gate, up, down)."""
+    matrices = [(m.qs, m.d, m.m, m.outlier_cols, m.outlier_w, m.bias) for m in _matrices(block)]
+    qs, d, m, cols, w_cols, bias = (list(part) for part in zip(*matrices))
+    return (block.input_layernorm.weight, block.post_attention_layernorm.weight, block.input_layernorm.eps,
+            qs, d, m, cols, w_cols, bias)
+
+
+def decode_layer(block: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any,
+                 layer: int) -> torch.Tensor:
+    """``block(x)`` for a decode step, x [rows, 1, hidden], as one kernel call (when
+    ``runs_as_one_kernel``): the new keys and values go into ``cache``'s pools of ``layer``."""
+    rows = x.shape[0]
+    out = kernels.packed_decoder_layer(x.reshape(rows, -1), layer_arguments(block), cos.reshape(rows, -1),
+                                       sin.reshape(rows, -1), cache.k_pools[layer], cache.v_pools[layer],
+                                       cache.write_blocks, cache.write_offsets, cache.block_tables, cache.context_lens)
+    return out.view_as(x)
+
+
+def _matrices(block: Block) -> tuple[torch.nn.Module, ...]:
+    attn, mlp = block.self_attn, block.mlp
+    return (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
 
 
 # --------------------------------------------------------------------------- whole models

@@ -7,6 +7,9 @@
   each weight read once for all the rows (the libraries' GEMMs are tuned for large matrices).
 * ``paged_attention.cpp`` runs a decode step's attention through the block tables, reading each
   cached block once where it lies (notebook 10: what it changes at long contexts).
+* ``decoder_layer.cpp`` runs a whole decoder layer of a decode step with packed weights in one
+  call (norms, products, RoPE, the KV write, attention, SwiGLU, residuals): the step of a
+  packed model on the CPU, without ~80 us of Python glue per layer (notebook 11).
 
 They are built into one library the way ``torch.compile`` builds its C++: on this machine, for
 this CPU (``-march=native``), once — the library is kept in ``$MINILLM_CACHE/kernels`` under a
@@ -38,8 +41,9 @@ from minillm.assets import cache_dir
 QUANT_SOURCE = Path(__file__).with_name("quant.cpp")
 ATTENTION_SOURCE = Path(__file__).with_name("paged_attention.cpp")
 LINEAR_SOURCE = Path(__file__).with_name("linear.cpp")
-SOURCES = (QUANT_SOURCE, ATTENTION_SOURCE, LINEAR_SOURCE)
-HEADERS = (Path(__file__).with_name("simd.h"),)
+LAYER_SOURCE = Path(__file__).with_name("decoder_layer.cpp")
+SOURCES = (QUANT_SOURCE, ATTENTION_SOURCE, LINEAR_SOURCE, LAYER_SOURCE)
+HEADERS = (Path(__file__).with_name("simd.h"), Path(__file__).with_name("kernels.h"))
 BUILD_SECONDS = 300  # a build is ~25 s on 2 cores; a compiler that hangs must not hang the caller
 
 _loaded: Optional[bool] = None  # None: not tried yet in this process
@@ -113,6 +117,18 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     return torch.ops.minillm.paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens)
 
 
+def packed_decoder_layer(x: torch.Tensor, layer: tuple, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
+                         v_pool: torch.Tensor, write_blocks: torch.Tensor, write_offsets: torch.Tensor,
+                         block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+    """One decoder layer for one new token per row, x [rows, hidden] float32 -> [rows, hidden];
+    the new keys and values are written into ``k_pool``, ``v_pool`` at ``write_blocks``,
+    ``write_offsets``. ``layer``: ``quant.layer_arguments(block)`` (the two norms' weights, eps,
+    then the seven matrices' ``qs, d, m, cols, w_cols`` and biases, one list each, in the order
+    q, k, v, o, gate, up, down); ``cos``, ``sin`` [rows, head_dim]."""
+    return torch.ops.minillm.packed_decoder_layer(x, *layer, cos, sin, k_pool, v_pool, write_blocks, write_offsets,
+                                                  block_tables, context_lens)
+
+
 def _register_shapes() -> None:
     """What the ops return, for ``torch.compile`` to trace them without running them."""
 
@@ -127,6 +143,7 @@ def _register_shapes() -> None:
     torch.library.register_fake("minillm::packed_linears",
                                 lambda x, qs, d, m, cols, w_cols: [x.new_empty(x.shape[0], q.shape[0]) for q in qs])
     torch.library.register_fake("minillm::paged_decode_attention", fake_attention)
+    torch.library.register_fake("minillm::packed_decoder_layer", lambda x, *rest: torch.empty_like(x))
     torch.library.register_fake("minillm::f32_linear", lambda x, weight: x.new_empty(x.shape[0], weight.shape[0]))
 
 

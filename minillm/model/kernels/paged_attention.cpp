@@ -38,6 +38,7 @@
 #include <limits>
 #include <vector>
 
+#include "kernels.h"
 #include "simd.h"
 
 namespace {
@@ -330,6 +331,10 @@ void check(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_po
   }
 }
 
+}  // namespace
+
+namespace minillm_kernels {
+
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens) {
   check(q, k_pool, v_pool, block_tables, context_lens);
@@ -390,12 +395,12 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
   return out;
 }
 
-}  // namespace
+}  // namespace minillm_kernels
 
 TORCH_LIBRARY_FRAGMENT(minillm, lib) {
   lib.def("paged_decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor context_lens) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(minillm, CPU, lib) {
-  lib.impl("paged_decode_attention", &paged_decode_attention);
+  lib.impl("paged_decode_attention", &minillm_kernels::paged_decode_attention);
 }

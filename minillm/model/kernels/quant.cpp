@@ -30,44 +30,16 @@
 #include <optional>
 #include <vector>
 
-#if defined(__F16C__)
-#include <immintrin.h>
-#endif
-
+#include "kernels.h"
 #include "simd.h"
 
 namespace {
 
-constexpr int64_t kBlock = 32;
+using minillm_kernels::kBlock;
+using minillm_kernels::Matrix;
+using minillm_kernels::to_float;
 
 enum class Format { q8_0, q4_0, q4_1 };  // the block formats, as template arguments of the kernels
-
-// float16 -> float32 in one instruction where the CPU has F16C (c10::Half's portable
-// conversion is a dozen integer operations, more than the block's own arithmetic).
-inline float to_float(const at::Half* h) {
-#if defined(__F16C__)
-  return _cvtsh_ss(*reinterpret_cast<const uint16_t*>(h));
-#else
-  return static_cast<float>(*h);
-#endif
-}
-
-struct Matrix {          // one quantized weight matrix
-  const uint8_t* qs;     // the packed integers
-  const at::Half* d;     // one scale per block
-  const at::Half* m;     // Q4_1's minimums (nullptr otherwise)
-  int64_t out, blocks;
-  bool four_bit;
-  bool q4_0;             // m = -8 d
-  const int64_t* cols = nullptr;  // input columns kept in float32 beside the blocks (or none)
-  const float* w_cols = nullptr;  // their weights, one row per column [n_cols, out]
-  int64_t n_cols = 0;
-  int64_t block_bytes() const { return four_bit ? 16 : 32; }
-  // The block's weight for level 0: Q4_1's minimum, -8 d for Q4_0 (4-bit formats only).
-  float minimum(int64_t o, int64_t b, float scale) const {
-    return q4_0 ? -8.0f * scale : to_float(m + o * blocks + b);
-  }
-};
 
 // Input rows up to which the packed product beats "dequantize, then a float matrix product":
 // with more rows each weight is reused enough for MKL's better arithmetic to win. Measured on
@@ -369,6 +341,10 @@ void add_columns(const Matrix& w, const float* x, int64_t n_rows, int64_t in, fl
     }
 }
 
+}  // namespace
+
+namespace minillm_kernels {
+
 // x times each of several matrices that share it (a layer's q/k/v, or gate/up): one result per
 // matrix. For a decode step the cores split *all* their output rows between them in one
 // parallel region (one fork and join instead of one per matrix, and the small k/v matrices no
@@ -450,6 +426,14 @@ void attach_columns(Matrix& w, const std::optional<at::Tensor>& cols, const std:
   w.w_cols = w_cols->data_ptr<float>();
   w.n_cols = cols->size(0);
 }
+
+}  // namespace minillm_kernels
+
+namespace {
+
+using minillm_kernels::attach_columns;
+using minillm_kernels::blocks;
+using minillm_kernels::linears;
 
 at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                        const std::optional<at::Tensor>& cols, const std::optional<at::Tensor>& w_cols) {
