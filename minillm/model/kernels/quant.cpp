@@ -175,9 +175,8 @@ using minillm_simd::reduce_add;
 // here the weights are computed, not looked up. Block b of output row o as four vectors of 8
 // weights (0..7, 8..15, 16..23, 24..31); an 8-bit block *not yet scaled*, as above.
 template <bool FourBit>
-inline void weights(const uint8_t* p, float d, float m, __m256 (&w)[4]) {
+inline void weights(const uint8_t* p, __m256 scale, __m256 minimum, __m256 (&w)[4]) {
   if constexpr (FourBit) {
-    const __m256 scale = _mm256_set1_ps(d), minimum = _mm256_set1_ps(m);
     const __m256i nibble = _mm256_set1_epi32(15);
     for (int half = 0; half < 2; ++half) {  // bytes 0..7 and 8..15: weights j (low nibble) and j + 16 (high)
       const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * half)));
@@ -190,9 +189,21 @@ inline void weights(const uint8_t* p, float d, float m, __m256 (&w)[4]) {
   }
 }
 
+// 8 float16 values from p (fewer at the end of a row) as float32: one instruction for all 8,
+// where converting each scale on its own (load, move, convert, broadcast) cost about as many
+// instructions per block as turning its 32 codes into weights.
+inline void halves_to_floats(const at::Half* p, int64_t n, float* out) {
+  if (n == 8) {
+    _mm256_store_ps(out, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) out[i] = to_float(p + i);
+}
+
 // As the AVX-512 tile: O output rows times R input rows, each block turned into weights once and
 // used R times, two accumulators per pair (two chains of FMAs instead of one long one), the next
-// tile's bytes prefetched. With 16 registers, O shrinks as R grows (``tile_outputs``).
+// tile's bytes prefetched, the scales (and minimums) converted 8 blocks at a time. With 16
+// registers, O shrinks as R grows (``tile_outputs``).
 template <Format F, int O, int R>
 void tile(const Matrix& w, const float* x, int64_t in, float* y, int64_t o0) {
   constexpr bool FourBit = F != Format::q8_0;
@@ -204,32 +215,43 @@ void tile(const Matrix& w, const float* x, int64_t in, float* y, int64_t o0) {
   __m256 acc[O][R][2];
   for (int o = 0; o < O; ++o)
     for (int r = 0; r < R; ++r) acc[o][r][0] = acc[o][r][1] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    if (prefetch)
-      for (int64_t line = 0; line < O * bytes; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(next + b * O * bytes + line), _MM_HINT_T0);
-#pragma GCC unroll 4
+  alignas(32) float scales[O][8], minimums[O][8];
+  for (int64_t chunk = 0; chunk < blocks; chunk += 8) {
+    const int64_t n = std::min<int64_t>(8, blocks - chunk);
     for (int o = 0; o < O; ++o) {
-      const float d = to_float(w.d + (o0 + o) * blocks + b);
-      const float m = F == Format::q4_1 ? to_float(w.m + (o0 + o) * blocks + b) : F == Format::q4_0 ? -8.0f * d : 0.0f;
-      __m256 wv[4];
-      weights<FourBit>(q + (o * blocks + b) * bytes, d, m, wv);
-      const float* xb = x + b * kBlock;
-      if (!FourBit && R == 1) {  // sum q x over the block, then one multiply by d
-        __m256 qx = _mm256_mul_ps(wv[0], _mm256_loadu_ps(xb));
-        qx = _mm256_fmadd_ps(wv[1], _mm256_loadu_ps(xb + 8), qx);
-        qx = _mm256_fmadd_ps(wv[2], _mm256_loadu_ps(xb + 16), qx);
-        qx = _mm256_fmadd_ps(wv[3], _mm256_loadu_ps(xb + 24), qx);
-        acc[o][0][b & 1] = _mm256_fmadd_ps(qx, _mm256_set1_ps(d), acc[o][0][b & 1]);
-        continue;
+      halves_to_floats(w.d + (o0 + o) * blocks + chunk, n, scales[o]);
+      if (F == Format::q4_1) halves_to_floats(w.m + (o0 + o) * blocks + chunk, n, minimums[o]);
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t b = chunk + i;
+      if (prefetch)
+        for (int64_t line = 0; line < O * bytes; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(next + b * O * bytes + line), _MM_HINT_T0);
+#pragma GCC unroll 4
+      for (int o = 0; o < O; ++o) {
+        const __m256 d = _mm256_broadcast_ss(&scales[o][i]);
+        const __m256 m = F == Format::q4_1   ? _mm256_broadcast_ss(&minimums[o][i])
+                         : F == Format::q4_0 ? _mm256_mul_ps(d, _mm256_set1_ps(-8.0f))
+                                             : _mm256_setzero_ps();
+        __m256 wv[4];
+        weights<FourBit>(q + (o * blocks + b) * bytes, d, m, wv);
+        const float* xb = x + b * kBlock;
+        if (!FourBit && R == 1) {  // sum q x over the block, then one multiply by d
+          __m256 qx = _mm256_mul_ps(wv[0], _mm256_loadu_ps(xb));
+          qx = _mm256_fmadd_ps(wv[1], _mm256_loadu_ps(xb + 8), qx);
+          qx = _mm256_fmadd_ps(wv[2], _mm256_loadu_ps(xb + 16), qx);
+          qx = _mm256_fmadd_ps(wv[3], _mm256_loadu_ps(xb + 24), qx);
+          acc[o][0][b & 1] = _mm256_fmadd_ps(qx, d, acc[o][0][b & 1]);
+          continue;
+        }
+        if (!FourBit)
+          for (int k = 0; k < 4; ++k) wv[k] = _mm256_mul_ps(wv[k], d);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+          for (int k = 0; k < 4; ++k)
+            acc[o][r][k & 1] = _mm256_fmadd_ps(wv[k], _mm256_loadu_ps(xb + r * in + 8 * k), acc[o][r][k & 1]);
       }
-      if (!FourBit)
-        for (int i = 0; i < 4; ++i) wv[i] = _mm256_mul_ps(wv[i], _mm256_set1_ps(d));
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-        for (int i = 0; i < 4; ++i)
-          acc[o][r][i & 1] = _mm256_fmadd_ps(wv[i], _mm256_loadu_ps(xb + r * in + 8 * i), acc[o][r][i & 1]);
     }
   }
   for (int o = 0; o < O; ++o)
@@ -243,9 +265,9 @@ void dequantize_rows(const Matrix& w, float* out, int64_t begin, int64_t end) {
       const uint8_t* p = w.qs + (o * w.blocks + b) * w.block_bytes();
       __m256 wv[4];
       if (w.four_bit) {
-        weights<true>(p, d, w.minimum(o, b, d), wv);
+        weights<true>(p, _mm256_set1_ps(d), _mm256_set1_ps(w.minimum(o, b, d)), wv);
       } else {
-        weights<false>(p, d, 0.0f, wv);
+        weights<false>(p, _mm256_set1_ps(d), _mm256_setzero_ps(), wv);
         for (int i = 0; i < 4; ++i) wv[i] = _mm256_mul_ps(wv[i], _mm256_set1_ps(d));
       }
       for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + (o * w.blocks + b) * kBlock + 8 * i, wv[i]);
