@@ -225,12 +225,15 @@ class KernelLayers(CompiledRegions):
     wrappers around the generated code) -- 1.7 ms of a ~9 ms token. Here each layer's tensors
     are collected once, when the runner plans (``layer_arguments``), and a step calls the kernel
     directly, ~10 us per layer. As for the compiled regions, the runner checks before every step
-    that the model is the one it planned for (``structure_fingerprint``) and plans again if not.
+    that the model is the one it planned for (``structure_fingerprint``: the first layer, the
+    norm and the head) and plans again if not; a layer object it has not seen (a block swapped
+    in) has its arguments collected at the step.
     """
 
     def __init__(self, model: Transformer) -> None:
         super().__init__()
-        self._arguments = {id(block): layer_arguments(block) for block in model.layers}
+        # keyed by the block's id, the block kept beside its arguments (so that id is not reused)
+        self._arguments = {id(block): (block, layer_arguments(block)) for block in model.layers}
 
     def layers(self, layers: tuple[Block, ...], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                *step: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -238,7 +241,8 @@ class KernelLayers(CompiledRegions):
         rows = x.shape[0]
         x, cos, sin = x.reshape(rows, -1), cos.reshape(rows, -1), sin.reshape(rows, -1)
         for block, k_pool, v_pool in zip(layers, k_pools, v_pools):  # type: ignore[arg-type]
-            arguments = self._arguments.get(id(block)) or layer_arguments(block)
+            known = self._arguments.get(id(block))
+            arguments = known[1] if known is not None and known[0] is block else layer_arguments(block)
             x = kernels.packed_decoder_layer(x, arguments, cos, sin, k_pool, v_pool, *slots_and_tables)
         return x.view(rows, 1, -1)
 
