@@ -413,6 +413,22 @@ def test_the_layer_kernel_refuses_what_does_not_fit_naming_the_matrix_and_the_sl
         run(arguments, write_offsets=torch.tensor([4]))
     with pytest.raises(RuntimeError, match=r"one qs, d, m, cols, w_cols and bias for each of q, k, v, o, gate, up, down"):
         run(arguments[:3] + tuple(part[:6] for part in arguments[3:]))
+    with pytest.raises(RuntimeError, match=r"q_proj's bias must be a contiguous float32 CPU tensor"):
+        run(arguments[:8] + ([torch.zeros(3)] + arguments[8][1:],))
+    # a refused step leaves the cache as it was: the tables and lengths are checked before any write
+    pools = [pool.clone() for pool in (step.k_pools[0], step.v_pools[0])]
+    for bad in ({"context_lens": torch.tensor([99])}, {"block_tables": step.block_tables.int()},
+                {"block_tables": torch.full_like(step.block_tables, 1000)}):
+        with pytest.raises(RuntimeError, match=r"packed_decoder_layer: (row 0 has context length 99|block_tables must|"
+                                               r"row 0 reads block 1000)"):
+            kernels.packed_decoder_layer(x, arguments, cos, sin, step.k_pools[0], step.v_pools[0], step.write_blocks,
+                                         step.write_offsets, bad.get("block_tables", step.block_tables),
+                                         bad.get("context_lens", step.context_lens))
+        assert torch.equal(step.k_pools[0], pools[0]) and torch.equal(step.v_pools[0], pools[1])
+    empty = torch.zeros(4, config.n_kv_heads, 4, 0)  # a head_dim of 0: an error, not a division by zero
+    with pytest.raises(RuntimeError, match=r"need KV heads, blocks and an even head_dim"):
+        kernels.packed_decoder_layer(x, arguments, cos, sin, empty, empty, step.write_blocks, step.write_offsets,
+                                     step.block_tables, step.context_lens)
 
 
 def test_native_weights_keep_a_gguf_files_blocks_and_equal_its_float_load(tmp_path, pristine, tiny_tokenizer):  # noqa: F811

@@ -33,8 +33,9 @@ class Block(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
                 cache: KVCache | None = None, layer_idx: int | None = None) -> torch.Tensor:
-        if runs_as_one_kernel(self, x, cache):  # packed weights, a decode step on the CPU: one C++ call
-            return decode_layer(self, x, cos, sin, cache, self.self_attn.layer_idx if layer_idx is None else layer_idx)
+        layer = self.self_attn.layer_idx if layer_idx is None else layer_idx
+        if runs_as_one_kernel(self, x, cache, layer):  # packed weights, a decode step on the CPU: one C++ call
+            return decode_layer(self, x, cos, sin, cache, layer)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer_idx)
         return x + self.mlp(self.post_attention_layernorm(x))
 

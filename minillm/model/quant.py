@@ -47,6 +47,8 @@ import torch
 import torch.nn.functional as F
 
 from minillm.model import kernels
+from minillm.model.attention import Attention
+from minillm.model.layers import RMSNorm, SwiGLU
 
 if TYPE_CHECKING:
     from minillm.model.llama import Block
@@ -331,9 +333,6 @@ class QuantizedEmbedding(torch.nn.Module):
 def packs_whole_layer(block: Block) -> bool:
     """Whether ``block`` is a layer ``kernels.packed_decoder_layer`` can run: the standard norms,
     attention and SwiGLU modules, float32 norms (and biases, if any), every matrix packed."""
-    from minillm.model.attention import Attention  # (attention and llama import this module)
-    from minillm.model.layers import RMSNorm, SwiGLU
-
     attn, mlp, norms = block.self_attn, block.mlp, (block.input_layernorm, block.post_attention_layernorm)
     if type(attn) is not Attention or type(mlp) is not SwiGLU or any(type(norm) is not RMSNorm for norm in norms):
         return False
@@ -342,13 +341,15 @@ def packs_whole_layer(block: Block) -> bool:
             and norms[0].eps == norms[1].eps and all(norm.weight.dtype == torch.float32 for norm in norms))
 
 
-def runs_as_one_kernel(block: Block, x: torch.Tensor, cache: Any) -> bool:
+def runs_as_one_kernel(block: Block, x: torch.Tensor, cache: Any, layer: int) -> bool:
     """Whether ``block`` can run this step as one ``kernels.packed_decoder_layer`` call: a decode
-    step (one new token per row) on a paged float32 cache, on the CPU with the vector kernels
-    built, and a layer that ``packs_whole_layer``."""
+    step (one new token per row) on a paged cache whose pools of ``layer`` are contiguous float32,
+    on the CPU with the vector kernels built, and a layer that ``packs_whole_layer``."""
     return (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 3 and x.shape[1] == 1
             and getattr(cache, "reads_in_place", False) and cache.is_decode
-            and cache.k_pools[0].dtype == torch.float32 and kernels.vectorized() and packs_whole_layer(block))
+            and all(pool[layer].dtype == torch.float32 and pool[layer].is_contiguous()
+                    for pool in (cache.k_pools, cache.v_pools))
+            and kernels.vectorized() and packs_whole_layer(block))
 
 
 def layer_arguments(block: Block) -> tuple:
@@ -365,8 +366,9 @@ def decode_layer(block: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     """``block(x)`` for a decode step, x [rows, 1, hidden], as one kernel call (when
     ``runs_as_one_kernel``): the new keys and values go into ``cache``'s pools of ``layer``."""
     rows = x.shape[0]
-    out = kernels.packed_decoder_layer(x.reshape(rows, -1), layer_arguments(block), cos.reshape(rows, -1),
-                                       sin.reshape(rows, -1), cache.k_pools[layer], cache.v_pools[layer],
+    out = kernels.packed_decoder_layer(x.reshape(rows, -1).contiguous(), layer_arguments(block),
+                                       cos.reshape(rows, -1).contiguous(), sin.reshape(rows, -1).contiguous(),
+                                       cache.k_pools[layer], cache.v_pools[layer],
                                        cache.write_blocks, cache.write_offsets, cache.block_tables, cache.context_lens)
     return out.view_as(x)
 

@@ -15,8 +15,9 @@
 //   out = h + (silu(hn @ Wg) * (hn @ Wu)) @ Wd     (gate and up in one pass)
 //
 // The products are quant.cpp's and the attention is paged_attention.cpp's -- the very kernels
-// the unfused step calls -- so the layer equals minillm.model.llama.Block to float32 rounding:
-// the norms, RoPE and SiLU follow PyTorch's formulas and sum in their own order.
+// the unfused step calls (for head_dim 64 and 128; other head sizes take the attention's portable
+// loop here, PyTorch's formulation there) -- so the layer equals minillm.model.llama.Block to
+// float32 rounding: the norms, RoPE and SiLU follow PyTorch's formulas and sum in their own order.
 //
 // Arguments: x [rows, hidden] (one new token per row); the two norms' weights; the seven
 // matrices in the order q, k, v, o, gate, up, down, each as packed_linears takes them (qs, d,
@@ -173,7 +174,8 @@ at::Tensor packed_decoder_layer(const at::Tensor& x, const at::Tensor& input_nor
   for (size_t i = 0; i < 7; ++i) {
     w.push_back(minillm_kernels::blocks(qs[i], d[i], m.get(i), kNames[i]));
     minillm_kernels::attach_columns(w.back(), cols.get(i), w_cols.get(i), kNames[i], i);
-    if (const std::optional<at::Tensor> b = bias.get(i)) check_floats(*b, {w.back().out}, kNames[i]);
+    if (const std::optional<at::Tensor> b = bias.get(i))
+      check_floats(*b, {w.back().out}, (std::string(kNames[i]) + "'s bias").c_str());
   }
   TORCH_CHECK(k_pool.dim() == 4 && k_pool.scalar_type() == at::kFloat && k_pool.is_contiguous() &&
                   v_pool.sizes() == k_pool.sizes() && v_pool.scalar_type() == at::kFloat && v_pool.is_contiguous(),
@@ -181,9 +183,13 @@ at::Tensor packed_decoder_layer(const at::Tensor& x, const at::Tensor& input_nor
               "of one shape, got ", k_pool.sizes(), " and ", v_pool.sizes());
   const int64_t num_blocks = k_pool.size(0), n_kv_heads = k_pool.size(1), block_size = k_pool.size(2),
                 head_dim = k_pool.size(3);
-  TORCH_CHECK(head_dim % 2 == 0 && n_kv_heads > 0, kOp, ": the pools' head_dim must be even, got ", head_dim);
+  TORCH_CHECK(head_dim > 0 && head_dim % 2 == 0 && n_kv_heads > 0 && block_size > 0, kOp,
+              ": the pools [num_blocks, n_kv_heads, block_size, head_dim] need KV heads, blocks and an even head_dim, got ",
+              k_pool.sizes());
   check_shapes(w, hidden, head_dim, n_kv_heads);
   const int64_t n_heads = w[0].out / head_dim;
+  // every check before the pools are written: a refused step leaves the cache as it was
+  minillm_kernels::check_paged_step(rows, n_heads, head_dim, k_pool, v_pool, block_tables, context_lens, kOp);
   check_floats(cos, {rows, head_dim}, "cos");
   check_floats(sin, {rows, head_dim}, "sin");
   for (const at::Tensor* slot : {&write_blocks, &write_offsets})

@@ -295,32 +295,36 @@ void run_chunk(const Shape& sh, const float* q, const float* k_pool, const float
   attend_chunk(sh, q, k_pool, v_pool, table, first, last, out);
 }
 
-void check(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& block_tables,
-           const at::Tensor& context_lens) {
-  const char* op = "paged_decode_attention";
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), op,
-              ": q must be contiguous float32 [rows, n_heads, head_dim], got ", q.scalar_type(), " ", q.sizes());
+}  // namespace
+
+namespace minillm_kernels {
+
+void check_paged_step(int64_t rows, int64_t n_heads, int64_t head_dim, const at::Tensor& k_pool,
+                      const at::Tensor& v_pool, const at::Tensor& block_tables, const at::Tensor& context_lens,
+                      const char* op) {
   TORCH_CHECK(k_pool.dim() == 4 && k_pool.scalar_type() == at::kFloat && k_pool.is_contiguous(), op,
               ": k_pool must be contiguous float32 [num_blocks, n_kv_heads, block_size, head_dim], got ",
               k_pool.scalar_type(), " ", k_pool.sizes());
   TORCH_CHECK(v_pool.sizes() == k_pool.sizes() && v_pool.scalar_type() == at::kFloat && v_pool.is_contiguous(), op,
               ": v_pool must be contiguous float32 shaped like k_pool ", k_pool.sizes(), ", got ", v_pool.sizes());
-  TORCH_CHECK(k_pool.size(3) == q.size(2), op, ": head_dim of q (", q.size(2), ") and of the pool (", k_pool.size(3),
+  TORCH_CHECK(k_pool.size(3) == head_dim, op, ": head_dim of q (", head_dim, ") and of the pool (", k_pool.size(3),
               ") differ");
-  TORCH_CHECK(k_pool.size(1) > 0 && q.size(1) % k_pool.size(1) == 0, op, ": ", q.size(1),
-              " query heads cannot share ", k_pool.size(1), " KV heads");
+  TORCH_CHECK(head_dim > 0 && k_pool.size(2) > 0, op, ": the pools ", k_pool.sizes(),
+              " have a head_dim or a block_size of 0");
+  TORCH_CHECK(k_pool.size(1) > 0 && n_heads % k_pool.size(1) == 0, op, ": ", n_heads, " query heads cannot share ",
+              k_pool.size(1), " KV heads");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() &&
-                  block_tables.size(0) == q.size(0),
-              op, ": block_tables must be contiguous int64 [rows=", q.size(0), ", width], got ",
-              block_tables.scalar_type(), " ", block_tables.sizes());
+                  block_tables.size(0) == rows,
+              op, ": block_tables must be contiguous int64 [rows=", rows, ", width], got ", block_tables.scalar_type(),
+              " ", block_tables.sizes());
   TORCH_CHECK(context_lens.dim() == 1 && context_lens.scalar_type() == at::kLong && context_lens.is_contiguous() &&
-                  context_lens.size(0) == q.size(0),
-              op, ": context_lens must be contiguous int64 [rows=", q.size(0), "], got ", context_lens.scalar_type(),
-              " ", context_lens.sizes());
+                  context_lens.size(0) == rows,
+              op, ": context_lens must be contiguous int64 [rows=", rows, "], got ", context_lens.scalar_type(), " ",
+              context_lens.sizes());
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t width = block_tables.size(1), block_size = k_pool.size(2), num_blocks = k_pool.size(0);
-  for (int64_t row = 0; row < q.size(0); ++row) {
+  for (int64_t row = 0; row < rows; ++row) {
     TORCH_CHECK(lens[row] >= 1 && lens[row] <= width * block_size, op, ": row ", row, " has context length ",
                 lens[row], ", outside 1..", width * block_size, " (", width, " blocks of ", block_size, ")");
     for (int64_t i = 0; i < (lens[row] + block_size - 1) / block_size; ++i) {
@@ -331,13 +335,12 @@ void check(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_po
   }
 }
 
-}  // namespace
-
-namespace minillm_kernels {
-
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens) {
-  check(q, k_pool, v_pool, block_tables, context_lens);
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "paged_decode_attention",
+              ": q must be contiguous float32 [rows, n_heads, head_dim], got ", q.scalar_type(), " ", q.sizes());
+  check_paged_step(q.size(0), q.size(1), q.size(2), k_pool, v_pool, block_tables, context_lens,
+                   "paged_decode_attention");
   const int64_t rows = q.size(0);
   const Shape sh{q.size(1), k_pool.size(1), q.size(1) / k_pool.size(1), q.size(2), k_pool.size(2),
                  block_tables.size(1), 1.0f / std::sqrt(static_cast<float>(q.size(2)))};
