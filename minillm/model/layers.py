@@ -71,7 +71,8 @@ def linears(x: torch.Tensor, layers: Sequence[torch.nn.Module]) -> list[torch.Te
     packed-weight layers do (``QuantizedLinear.many``), one kernel call in which the cores split
     all the group's output rows — a decode step makes 30 x 7 products of one row, each paying a
     call and a fork/join of the threads, so 4 calls per layer instead of 7 is worth it there.
-    Any other group is called layer by layer.
+    (A decode step of a model whose every matrix is packed goes further: each whole layer is one
+    kernel call, ``quant.decode_layer``.) Any other group is called layer by layer.
     """
     kind = type(layers[0])
     if hasattr(kind, "many") and all(type(layer) is kind for layer in layers):
