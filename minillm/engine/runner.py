@@ -66,7 +66,7 @@ from minillm.cache.paged import PagedBatch, PagedKVCache
 from minillm.model import kernels
 from minillm.model.layers import Linear, RMSNorm
 from minillm.model.llama import Block, Transformer
-from minillm.model.quant import layer_arguments, packs_whole_layer
+from minillm.model.quant import layer_arguments, layer_matrices, packs_whole_layer
 
 CUDA_ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -227,14 +227,14 @@ class KernelLayers(CompiledRegions):
     are collected once, when the runner plans (``layer_arguments``), and a step calls the kernel
     directly, ~10 us per layer. As for the compiled regions, the runner checks before every step
     that the model is the one it planned for (``structure_fingerprint``: the first layer, the
-    norm and the head) and plans again if not; a layer object it has not seen (a block swapped
-    in) has its arguments collected at the step.
+    norm and the head; ``still_current``: every tensor the arguments came from) and plans again
+    if not.
     """
 
     def __init__(self, model: Transformer) -> None:
         super().__init__()
-        # keyed by the block's id, the block kept beside its arguments (so that id is not reused)
-        self._arguments = {id(block): (block, layer_arguments(block)) for block in model.layers}
+        # keyed by the block's id: the watched entries hold the blocks, so no id is reused
+        self._arguments = {id(block): layer_arguments(block) for block in model.layers}
         self._watched = _where_arguments_come_from(model)
 
     def still_current(self) -> bool:
@@ -250,9 +250,8 @@ class KernelLayers(CompiledRegions):
         rows = x.shape[0]
         x, cos, sin = x.reshape(rows, -1), cos.reshape(rows, -1), sin.reshape(rows, -1)
         for block, k_pool, v_pool in zip(layers, k_pools, v_pools):  # type: ignore[arg-type]
-            known = self._arguments.get(id(block))
-            arguments = known[1] if known is not None and known[0] is block else layer_arguments(block)
-            x = kernels.packed_decoder_layer(x, arguments, cos, sin, k_pool, v_pool, *slots_and_tables)
+            x = kernels.packed_decoder_layer(x, self._arguments[id(block)], cos, sin, k_pool, v_pool,
+                                             *slots_and_tables)
         return x.view(rows, 1, -1)
 
 
@@ -267,8 +266,7 @@ def _where_arguments_come_from(model: Transformer) -> tuple[list[dict], list[str
             entries += [(owner._modules, name, child) for name, child in owner._modules.items()]
         for norm in (block.input_layernorm, block.post_attention_layernorm):
             entries += [(norm._parameters, "weight", norm.weight), (vars(norm), "eps", norm.eps)]
-        for matrix in (*(getattr(block.self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")),
-                       *(getattr(block.mlp, n) for n in ("gate_proj", "up_proj", "down_proj"))):
+        for matrix in layer_matrices(block):
             entries += [(matrix._buffers, name, tensor) for name, tensor in matrix._buffers.items()]
             entries.append((matrix._parameters, "bias", matrix._parameters.get("bias")))
     dicts, keys, objects = (list(part) for part in zip(*entries))

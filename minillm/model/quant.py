@@ -337,7 +337,7 @@ def packs_whole_layer(block: Block) -> bool:
     if type(attn) is not Attention or type(mlp) is not SwiGLU or any(type(norm) is not RMSNorm for norm in norms):
         return False
     return (all(type(layer) is QuantizedLinear and (layer.bias is None or layer.bias.dtype == torch.float32)
-                for layer in _matrices(block))
+                for layer in layer_matrices(block))
             and norms[0].eps == norms[1].eps and all(norm.weight.dtype == torch.float32 for norm in norms))
 
 
@@ -355,7 +355,7 @@ def runs_as_one_kernel(block: Block, x: torch.Tensor, cache: Any, layer: int) ->
 def layer_arguments(block: Block) -> tuple:
     """What ``kernels.packed_decoder_layer`` needs of a layer: the norms' weights and eps, then the
     seven matrices' blocks, float32 columns and biases, one list each (q, k, v, o, gate, up, down)."""
-    matrices = [(m.qs, m.d, m.m, m.outlier_cols, m.outlier_w, m.bias) for m in _matrices(block)]
+    matrices = [(m.qs, m.d, m.m, m.outlier_cols, m.outlier_w, m.bias) for m in layer_matrices(block)]
     qs, d, m, cols, w_cols, bias = (list(part) for part in zip(*matrices))
     return (block.input_layernorm.weight, block.post_attention_layernorm.weight, block.input_layernorm.eps,
             qs, d, m, cols, w_cols, bias)
@@ -373,7 +373,8 @@ def decode_layer(block: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     return out.view_as(x)
 
 
-def _matrices(block: Block) -> tuple[torch.nn.Module, ...]:
+def layer_matrices(block: Block) -> tuple[torch.nn.Module, ...]:
+    """A layer's seven matrices, in the order the layer kernel takes them: q, k, v, o, gate, up, down."""
     attn, mlp = block.self_attn, block.mlp
     return (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
 
