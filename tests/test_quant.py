@@ -431,6 +431,69 @@ def test_the_layer_kernel_refuses_what_does_not_fit_naming_the_matrix_and_the_sl
                                      step.block_tables, step.context_lens)
 
 
+@needs_kernels
+def test_all_layers_in_one_call_equal_the_layer_kernel_layer_by_layer(tmp_path, tiny_tokenizer):  # noqa: F811
+    """``kernels.packed_layers`` (the engine's one call per decode step) runs the very layer code
+    of ``packed_decoder_layer``: its output and every layer's pools equal calling the op layer by
+    layer, bit for bit (qwen2: biases; three rows of different lengths on blocks of 4). A bad step
+    is refused before any layer's pool is written; a tensor changed in place, even given new
+    memory (``.data = ...``), is what the next call reads."""
+    from minillm.cache.paged import PagedKVCache
+    from minillm.model import quant
+
+    folder = _tiny_hf_checkpoint(tmp_path, tiny_tokenizer, "qwen2", vocab_size=300, tie_word_embeddings=False)
+    model, _ = minillm.load_model(folder, device="cpu")
+    quant.quantize_model(model, "q4_1", calibration=torch.tensor([[5, 9, 2, 7, 1, 3]]))
+    config = model.config
+    arguments = [quant.layer_arguments(block) for block in model.layers]
+    stack = kernels.packed_layers(arguments, config.n_kv_heads, config.head_dim)
+    assert stack.size() == config.n_layers and stack.matrices(0)[0] is model.layers[0].self_attn.q_proj.qs
+    cache = PagedKVCache(config, num_blocks=16, block_size=4)
+    for seq, length in enumerate([5, 1, 9]):
+        cache.add_sequence(seq)
+        cache.prepare([seq], length)
+    step = cache.prepare([0, 1, 2], 1)
+    torch.manual_seed(0)
+    x = torch.randn(3, config.hidden_size)
+    for pool in step.k_pools + step.v_pools:
+        pool.copy_(torch.randn_like(pool))
+    angles = torch.randn(3, config.head_dim // 2).repeat(1, 2)
+    cos, sin = angles.cos(), angles.sin()
+    slots_and_tables = (step.write_blocks, step.write_offsets, step.block_tables, step.context_lens)
+    before = [pool.clone() for pool in step.k_pools + step.v_pools]
+
+    def one_by_one(pools: list[torch.Tensor]) -> torch.Tensor:
+        h = x
+        for i, layer in enumerate(arguments):
+            h = kernels.packed_decoder_layer(h, layer, cos, sin, pools[i], pools[config.n_layers + i], *slots_and_tables)
+        return h
+
+    expected_pools = [pool.clone() for pool in before]
+    expected = one_by_one(expected_pools)
+    got = stack.forward(x, cos, sin, step.k_pools, step.v_pools, *slots_and_tables)
+    assert torch.equal(got, expected)
+    assert all(torch.equal(a, b) for a, b in zip(step.k_pools + step.v_pools, expected_pools))
+
+    for pool, saved in zip(step.k_pools + step.v_pools, before):
+        pool.copy_(saved)
+    bad_offsets = torch.tensor([0, 1, 4])  # row 2 writes past its block: refused before layer 0 writes
+    with pytest.raises(RuntimeError, match=r"row 2 writes to block \d+ offset 4 of a pool of \d+ blocks of 4"):
+        stack.forward(x, cos, sin, step.k_pools, step.v_pools, step.write_blocks, bad_offsets, *slots_and_tables[2:])
+    with pytest.raises(RuntimeError, match=r"2 layers need as many k_pools and v_pools, got 1 and 2"):
+        stack.forward(x, cos, sin, step.k_pools[:1], step.v_pools, *slots_and_tables)
+    assert all(torch.equal(a, b) for a, b in zip(step.k_pools + step.v_pools, before))
+    with pytest.raises(RuntimeError, match=r"two norms and an eps per layer and 7 qs"):
+        kernels.packed_layers(arguments[:1] + [arguments[1][:3] + tuple(part[:6] for part in arguments[1][3:])],
+                              config.n_kv_heads, config.head_dim)
+
+    down = model.layers[1].mlp.down_proj
+    down.qs.data = torch.flip(down.qs, dims=[0]).contiguous()  # new memory behind the same tensor
+    expected_pools = [pool.clone() for pool in before]
+    expected = one_by_one(expected_pools)
+    assert not torch.equal(expected, got)
+    assert torch.equal(stack.forward(x, cos, sin, step.k_pools, step.v_pools, *slots_and_tables), expected)
+
+
 def test_native_weights_keep_a_gguf_files_blocks_and_equal_its_float_load(tmp_path, pristine, tiny_tokenizer):  # noqa: F811
     def kind(name: str):
         return gguf.GGMLQuantizationType.Q4_1 if name.startswith("blk.") and "norm" not in name else (

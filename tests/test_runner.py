@@ -140,7 +140,7 @@ def test_kernel_layers_see_a_matrix_swapped_into_a_later_layer(tiny_llama):
     engine.generate(prompts, params)
     planned = engine.runner.regions  # planned again, from the new matrix's own tensors
     assert isinstance(planned, runner_module.KernelLayers) and planned is not regions and planned.still_current()
-    qs = planned._arguments[id(model.layers[1])][3]
+    qs = planned._stack.matrices(1)  # the packed integers the C++ object reads for layer 1
     assert qs[6] is model.layers[1].mlp.down_proj.qs and qs[6] is not down.qs
 
 

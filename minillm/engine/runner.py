@@ -71,6 +71,27 @@ from minillm.model.quant import layer_arguments, layer_matrices, packs_whole_lay
 CUDA_ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
+class Assignments:
+    """How many modules, parameters and buffers have been assigned in this process so far:
+    PyTorch calls its global registration hooks on every ``module.name = value`` of those kinds
+    (``model.layers[3] = block``, ``matrix.qs = tensor``, ``register_buffer``...). A runner that
+    holds tensors collected from a model re-checks where they came from only when this count
+    moved (``KernelLayers.still_current``): the 1,740 identity tests for SmolLM2 cost ~0.3 ms a
+    step with the caches cold from the step before, this comparison nothing."""
+
+    count = 0
+
+    @classmethod
+    def seen(cls, module: torch.nn.Module, name: str, value: Any) -> None:
+        cls.count += 1
+
+
+for _register in (torch.nn.modules.module.register_module_module_registration_hook,
+                  torch.nn.modules.module.register_module_parameter_registration_hook,
+                  torch.nn.modules.module.register_module_buffer_registration_hook):
+    _register(Assignments.seen)
+
+
 def can_compile(device: torch.device) -> tuple[bool, str]:
     """Whether ``torch.compile`` can build code here, and if not, why (said to the user)."""
     if device.type == "cpu" and not any(shutil.which(cxx) for cxx in ("g++", "c++", "clang++")):
@@ -104,7 +125,7 @@ def decode_step(
     x = model.embed_tokens(token_ids)
     cos, sin = model.rotary(positions[:, None], model.dtype)
     layers = list(model.layers)  # (slicing the ModuleList itself would build new modules)
-    size = layer_group_size(len(layers))
+    size = regions.group_size(len(layers)) if regions else layer_group_size(len(layers))
     for first in range(0, len(layers), size):
         group = slice(first, first + size)
         x = run_layers(tuple(layers[group]), x, cos, sin, tuple(k_pools[group]), tuple(v_pools[group]),
@@ -198,6 +219,10 @@ class CompiledRegions:
         args = (norm, lm_head, x)
         return self._program(self._logits, "logits", ("logits", x.dtype, x.shape), args)(*args)
 
+    def group_size(self, n_layers: int) -> int:
+        """How many layers each ``layers`` call runs (one compiled program serves every group)."""
+        return layer_group_size(n_layers)
+
     def forget(self) -> None:
         """Check the guards again at the next call of each signature (the model changed)."""
         self._accepted.clear()
@@ -217,42 +242,57 @@ class CompiledRegions:
 
 class KernelLayers(CompiledRegions):
     """The regions of a model whose every layer is packed (``quant.packs_whole_layer``) on a CPU
-    with the vector kernels: each layer runs as one ``kernels.packed_decoder_layer`` call, and the
-    final norm and LM head as the compiled region they are for any model.
+    with the vector kernels: all the layers run as one call of a C++ object that holds them
+    (``kernels.packed_layers``), and the final norm and LM head as the compiled region they are
+    for any model.
 
     Such a layer is already compiled code (C++), so a compiled program around six of them only
     adds Python: measured on the course machine, 0.33 ms per call of a 6-layer region beyond the
-    kernels' own time (dynamo's code collecting ~180 weight tensors from the modules, and the
-    wrappers around the generated code) -- 1.7 ms of a ~9 ms token. Here each layer's tensors
-    are collected once, when the runner plans (``layer_arguments``), and a step calls the kernel
-    directly, ~10 us per layer. As for the compiled regions, the runner checks before every step
-    that the model is the one it planned for (``structure_fingerprint``: the first layer, the
-    norm and the head; ``still_current``: every tensor the arguments came from) and plans again
-    if not.
+    kernels' own time -- 1.7 ms of a ~9 ms token. Calling ``packed_decoder_layer`` once per layer
+    still cost ~25 us of dispatch a layer (its 42 weight tensors converted, checked and its
+    intermediates allocated at every call): 0.75 ms a token. Here the layers' tensors are handed
+    over once, when the runner plans, and a step is one call (~10 us beyond the kernels). As for
+    the compiled regions, the runner checks before every step that the model is the one it
+    planned for (``structure_fingerprint``: the first layer, the norm and the head;
+    ``still_current``: every tensor the object holds) and plans again if not.
     """
 
     def __init__(self, model: Transformer) -> None:
         super().__init__()
-        # keyed by the block's id: the watched entries hold the blocks, so no id is reused
-        self._arguments = {id(block): layer_arguments(block) for block in model.layers}
+        attention = model.layers[0].self_attn
+        self._blocks = tuple(model.layers)
+        self._stack = kernels.packed_layers([layer_arguments(block) for block in model.layers],
+                                            attention.n_kv_heads, attention.head_dim)
         self._watched = _where_arguments_come_from(model)
+        self._assignments = Assignments.count
+
+    def group_size(self, n_layers: int) -> int:
+        return n_layers  # all of them in one call
 
     def still_current(self) -> bool:
-        """Whether every block, module and tensor the arguments were collected from is still where
-        it was (a matrix swapped into a later layer, which ``structure_fingerprint`` does not see,
-        is caught here): ~90 us for SmolLM2's 30 layers (1,740 entries), one identity test each, in C."""
+        """Whether every block, module and tensor the object was built from is still where it was
+        (a matrix swapped into a later layer, which ``structure_fingerprint`` does not see, is
+        caught here): one identity test each, in C, for SmolLM2's 30 layers 1,740 entries --
+        made only when something was assigned to a module since the last check (``Assignments``).
+        Tensors changed in place need no check: the object reads them at every step."""
+        if Assignments.count == self._assignments:
+            return True
         dicts, keys, objects = self._watched
-        return all(map(operator.is_, map(dict.get, dicts, keys), objects))
+        current = all(map(operator.is_, map(dict.get, dicts, keys), objects))
+        if current:
+            self._assignments = Assignments.count
+        return current
 
     def layers(self, layers: tuple[Block, ...], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                *step: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
+        if layers != self._blocks:
+            raise RuntimeError(f"KernelLayers runs all {len(self._blocks)} layers it was built for in one call, "
+                               f"got {len(layers)} layers")
         k_pools, v_pools, _positions, *slots_and_tables = step
         rows = x.shape[0]
-        x, cos, sin = x.reshape(rows, -1), cos.reshape(rows, -1), sin.reshape(rows, -1)
-        for block, k_pool, v_pool in zip(layers, k_pools, v_pools):  # type: ignore[arg-type]
-            x = kernels.packed_decoder_layer(x, self._arguments[id(block)], cos, sin, k_pool, v_pool,
-                                             *slots_and_tables)
-        return x.view(rows, 1, -1)
+        out = self._stack.forward(x.reshape(rows, -1), cos.reshape(rows, -1), sin.reshape(rows, -1), k_pools,
+                                  v_pools, *slots_and_tables)
+        return out.view(rows, 1, -1)
 
 
 def _where_arguments_come_from(model: Transformer) -> tuple[list[dict], list[str], list[Any]]:

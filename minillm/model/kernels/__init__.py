@@ -32,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -127,6 +127,18 @@ def packed_decoder_layer(x: torch.Tensor, layer: tuple, cos: torch.Tensor, sin: 
     q, k, v, o, gate, up, down); ``cos``, ``sin`` [rows, head_dim]."""
     return torch.ops.minillm.packed_decoder_layer(x, *layer, cos, sin, k_pool, v_pool, write_blocks, write_offsets,
                                                   block_tables, context_lens)
+
+
+def packed_layers(layers: list[tuple], n_kv_heads: int, head_dim: int) -> Any:
+    """Every layer of a packed model handed to C++ once (``layers``: each one's
+    ``quant.layer_arguments``), checked now: an object whose ``forward(x, cos, sin, k_pools,
+    v_pools, write_blocks, write_offsets, block_tables, context_lens)`` runs one decode step
+    through all of them, layer i on ``k_pools[i]``, ``v_pools[i]`` -- one call per step where
+    ``packed_decoder_layer`` is one per layer."""
+    input_norms, post_norms, eps, qs, d, m, cols, w_cols, bias = zip(*layers)
+    flat = [[tensor for matrices in part for tensor in matrices] for part in (qs, d, m, cols, w_cols, bias)]
+    return torch.classes.minillm.PackedLayers(n_kv_heads, head_dim, list(input_norms), list(post_norms),
+                                              [float(e) for e in eps], *flat)
 
 
 def _register_shapes() -> None:

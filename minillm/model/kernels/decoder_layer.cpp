@@ -27,6 +27,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -111,45 +112,176 @@ void silu_mul(float* g, const float* u, int64_t n) {
   }
 }
 
-// y += b (each row), when the matrix has a bias.
-void add_bias(at::Tensor& y, const std::optional<at::Tensor>& bias) {
-  if (!bias) return;
-  const float* b = bias->data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const int64_t out = y.size(1);
-  for (int64_t r = 0; r < y.size(0); ++r)
-    for (int64_t o = 0; o < out; ++o) yp[r * out + o] += b[o];
+// y += b for each of `rows` rows of `out` values, when the matrix has a bias (b is not null).
+void add_bias(float* y, const float* b, int64_t rows, int64_t out) {
+  if (b == nullptr) return;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t o = 0; o < out; ++o) y[r * out + o] += b[o];
 }
 
 // y += x, element by element (a residual connection).
-void add_into(at::Tensor& y, const at::Tensor& x) {
-  float* yp = y.data_ptr<float>();
-  const float* xp = x.data_ptr<float>();
-  for (int64_t i = 0; i < y.numel(); ++i) yp[i] += xp[i];
+void add_into(float* y, const float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] += x[i];
 }
 
-void check_floats(const at::Tensor& t, std::vector<int64_t> shape, const char* what) {
+void check_floats(const at::Tensor& t, std::vector<int64_t> shape, const std::string& what) {
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.device().is_cpu() && t.sizes() == shape, kOp,
               ": ", what, " must be a contiguous float32 CPU tensor ", at::IntArrayRef(shape), ", got ",
               t.scalar_type(), " ", t.sizes());
 }
 
-// Each matrix's inputs and outputs against the layer's sizes, named by the layer they belong to.
-void check_shapes(const std::vector<Matrix>& w, int64_t hidden, int64_t head_dim, int64_t n_kv_heads) {
+// One decoder layer's weights as the step reads them: the norms, the seven matrices (q, k, v, o,
+// gate, up, down) and their biases (nullptr where a matrix has none).
+struct Layer {
+  const float* input_norm;
+  const float* post_norm;
+  float eps;
+  std::vector<Matrix> w;
+  std::vector<const float*> bias;
+  int64_t hidden, n_heads, n_kv_heads, head_dim, ffn;
+};
+
+// A layer's tensors (as packed_decoder_layer takes them, the matrix i's at index first + i of
+// each list) checked against each other and against n_kv_heads x head_dim: each matrix named
+// by its role ("gate_proj is [576, 1536], expected [any, 576]").
+Layer layer_of(const at::Tensor& input_norm, const at::Tensor& post_norm, double eps, at::TensorList qs,
+               at::TensorList d, const c10::List<std::optional<at::Tensor>>& m,
+               const c10::List<std::optional<at::Tensor>>& cols, const c10::List<std::optional<at::Tensor>>& w_cols,
+               const c10::List<std::optional<at::Tensor>>& bias, size_t first, int64_t n_kv_heads,
+               int64_t head_dim) {
+  Layer layer{};
+  layer.eps = static_cast<float>(eps);
+  for (size_t i = 0; i < 7; ++i) {
+    layer.w.push_back(minillm_kernels::blocks(qs[first + i], d[first + i], m.get(first + i), kNames[i]));
+    minillm_kernels::attach_columns(layer.w.back(), cols.get(first + i), w_cols.get(first + i), kNames[i], i);
+    const std::optional<at::Tensor> b = bias.get(first + i);
+    if (b) check_floats(*b, {layer.w.back().out}, std::string(kNames[i]) + "'s bias");
+    layer.bias.push_back(b ? b->data_ptr<float>() : nullptr);
+  }
+  const std::vector<Matrix>& w = layer.w;
+  TORCH_CHECK(head_dim > 0 && head_dim % 2 == 0 && n_kv_heads > 0, kOp,
+              ": a layer needs KV heads and an even head_dim, got ", n_kv_heads, " x ", head_dim);
+  TORCH_CHECK(w[0].out % head_dim == 0 && (w[0].out / head_dim) % n_kv_heads == 0, kOp, ": q_proj's ", w[0].out,
+              " outputs are not whole heads of ", head_dim, " sharing ", n_kv_heads, " KV heads");
+  const int64_t hidden = w[0].blocks * minillm_kernels::kBlock;
   auto expect = [&](int i, int64_t in, int64_t out) {
     TORCH_CHECK(w[i].blocks * minillm_kernels::kBlock == in && (out < 0 || w[i].out == out), kOp, ": ", kNames[i],
                 " is [", w[i].out, ", ", w[i].blocks * minillm_kernels::kBlock, "], expected [",
                 out < 0 ? std::string("any") : std::to_string(out), ", ", in, "]");
   };
-  TORCH_CHECK(w[0].out % head_dim == 0 && (w[0].out / head_dim) % n_kv_heads == 0, kOp, ": q_proj's ", w[0].out,
-              " outputs are not whole heads of ", head_dim, " sharing ", n_kv_heads, " KV heads");
-  expect(0, hidden, -1);
   expect(1, hidden, n_kv_heads * head_dim);
   expect(2, hidden, n_kv_heads * head_dim);
   expect(3, w[0].out, hidden);
   expect(4, hidden, -1);
   expect(5, hidden, w[4].out);
   expect(6, w[4].out, hidden);
+  check_floats(input_norm, {hidden}, "input_norm");
+  check_floats(post_norm, {hidden}, "post_norm");
+  layer.input_norm = input_norm.data_ptr<float>();
+  layer.post_norm = post_norm.data_ptr<float>();
+  layer.hidden = hidden;
+  layer.n_heads = w[0].out / head_dim;
+  layer.n_kv_heads = n_kv_heads;
+  layer.head_dim = head_dim;
+  layer.ffn = w[4].out;
+  return layer;
+}
+
+// The step's tensors, which every layer shares: the rows' angles and write slots, and the block
+// tables and lengths the attention reads through.
+struct Step {
+  int64_t rows;
+  const float* cos;
+  const float* sin;
+  const int64_t* write_blocks;
+  const int64_t* write_offsets;
+  const at::Tensor& block_tables;
+  const at::Tensor& context_lens;
+};
+
+// x and the step's tensors against the layer, and one layer's pools against the step: every
+// check before any pool is written, so that a refused step leaves the cache as it was.
+Step step_of(const Layer& layer, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+             const at::Tensor& write_blocks, const at::Tensor& write_offsets, const at::Tensor& block_tables,
+             const at::Tensor& context_lens) {
+  TORCH_CHECK(x.dim() == 2, kOp, ": x must be [rows, hidden] (one new token per row), got ", x.sizes());
+  const int64_t rows = x.size(0);
+  check_floats(x, {rows, layer.hidden}, "x");
+  check_floats(cos, {rows, layer.head_dim}, "cos");
+  check_floats(sin, {rows, layer.head_dim}, "sin");
+  for (const at::Tensor* slot : {&write_blocks, &write_offsets})
+    TORCH_CHECK(slot->scalar_type() == at::kLong && slot->is_contiguous() && slot->sizes() == at::IntArrayRef{rows},
+                kOp, ": write_blocks and write_offsets must be contiguous int64 [rows=", rows, "], got ",
+                slot->scalar_type(), " ", slot->sizes());
+  return Step{rows, cos.data_ptr<float>(), sin.data_ptr<float>(), write_blocks.data_ptr<int64_t>(),
+              write_offsets.data_ptr<int64_t>(), block_tables, context_lens};
+}
+
+void check_pools(const Layer& layer, const Step& step, const at::Tensor& k_pool, const at::Tensor& v_pool) {
+  TORCH_CHECK(k_pool.dim() == 4 && k_pool.size(1) == layer.n_kv_heads && k_pool.size(3) == layer.head_dim, kOp,
+              ": the pools must be [num_blocks, n_kv_heads=", layer.n_kv_heads, ", block_size, head_dim=",
+              layer.head_dim, "], got ", k_pool.sizes());
+  minillm_kernels::check_paged_step(step.rows, layer.n_heads, layer.head_dim, k_pool, v_pool, step.block_tables,
+                                    step.context_lens, kOp);
+  for (int64_t r = 0; r < step.rows; ++r)
+    TORCH_CHECK(step.write_blocks[r] >= 0 && step.write_blocks[r] < k_pool.size(0) && step.write_offsets[r] >= 0 &&
+                    step.write_offsets[r] < k_pool.size(2),
+                kOp, ": row ", r, " writes to block ", step.write_blocks[r], " offset ", step.write_offsets[r],
+                " of a pool of ", k_pool.size(0), " blocks of ", k_pool.size(2));
+}
+
+// Room for a layer's intermediate rows, reused by every layer of a step: one allocation.
+struct Scratch {
+  at::Tensor storage;
+  float *xn, *q, *k, *v, *attended, *h, *gate, *up;
+  Scratch(const Layer& l, int64_t rows) {
+    const int64_t kv = l.n_kv_heads * l.head_dim, q_out = l.n_heads * l.head_dim;
+    storage = at::empty({rows * (2 * l.hidden + 2 * q_out + 2 * kv + 2 * l.ffn)}, at::kFloat);
+    float* at = storage.data_ptr<float>();
+    for (auto [field, size] : {std::pair{&xn, l.hidden}, {&q, q_out}, {&k, kv}, {&v, kv}, {&attended, q_out},
+                               {&h, l.hidden}, {&gate, l.ffn}, {&up, l.ffn}}) {
+      *field = at;
+      at += rows * size;
+    }
+  }
+};
+
+// One layer of the step, x -> out ([rows, hidden] each; they must not overlap), checked already.
+void run_layer(const Layer& l, const Step& s, const at::Tensor& k_pool, const at::Tensor& v_pool, const float* x,
+               float* out, Scratch& t) {
+  const int64_t rows = s.rows, hidden = l.hidden, D = l.head_dim, kv = l.n_kv_heads * D;
+  const std::vector<Matrix>& w = l.w;
+  // attention: norm, q/k/v, RoPE, the new key and value into the pools, then read through the tables
+  rms_norm(x, l.input_norm, rows, hidden, l.eps, t.xn);
+  minillm_kernels::linears_into(t.xn, rows, hidden, {w[0], w[1], w[2]}, {t.q, t.k, t.v});
+  add_bias(t.q, l.bias[0], rows, w[0].out);
+  add_bias(t.k, l.bias[1], rows, kv);
+  add_bias(t.v, l.bias[2], rows, kv);
+  rope(t.q, s.cos, s.sin, rows, l.n_heads, D);
+  rope(t.k, s.cos, s.sin, rows, l.n_kv_heads, D);
+  float* k_at = k_pool.data_ptr<float>();
+  float* v_at = v_pool.data_ptr<float>();
+  const int64_t block_size = k_pool.size(2);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t h = 0; h < l.n_kv_heads; ++h) {
+      const int64_t at = ((s.write_blocks[r] * l.n_kv_heads + h) * block_size + s.write_offsets[r]) * D;
+      std::memcpy(k_at + at, t.k + (r * l.n_kv_heads + h) * D, D * sizeof(float));
+      std::memcpy(v_at + at, t.v + (r * l.n_kv_heads + h) * D, D * sizeof(float));
+    }
+  minillm_kernels::attend(t.q, rows, l.n_heads, k_pool, v_pool, s.block_tables, s.context_lens, t.attended);
+  minillm_kernels::linears_into(t.attended, rows, w[3].blocks * minillm_kernels::kBlock, {w[3]}, {t.h});
+  add_bias(t.h, l.bias[3], rows, hidden);
+  add_into(t.h, x, rows * hidden);
+
+  // feed-forward: norm, gate and up, SiLU(gate) * up, down
+  rms_norm(t.h, l.post_norm, rows, hidden, l.eps, t.xn);
+  minillm_kernels::linears_into(t.xn, rows, hidden, {w[4], w[5]}, {t.gate, t.up});
+  add_bias(t.gate, l.bias[4], rows, l.ffn);
+  add_bias(t.up, l.bias[5], rows, l.ffn);
+  silu_mul(t.gate, t.up, rows * l.ffn);
+  minillm_kernels::linears_into(t.gate, rows, l.ffn, {w[6]}, {out});
+  add_bias(out, l.bias[6], rows, hidden);
+  add_into(out, t.h, rows * hidden);
 }
 
 at::Tensor packed_decoder_layer(const at::Tensor& x, const at::Tensor& input_norm, const at::Tensor& post_norm,
@@ -161,82 +293,103 @@ at::Tensor packed_decoder_layer(const at::Tensor& x, const at::Tensor& input_nor
                                 const at::Tensor& sin, const at::Tensor& k_pool, const at::Tensor& v_pool,
                                 const at::Tensor& write_blocks, const at::Tensor& write_offsets,
                                 const at::Tensor& block_tables, const at::Tensor& context_lens) {
-  TORCH_CHECK(x.dim() == 2, kOp, ": x must be [rows, hidden] (one new token per row), got ", x.sizes());
-  const int64_t rows = x.size(0), hidden = x.size(1);
-  check_floats(x, {rows, hidden}, "x");
-  check_floats(input_norm, {hidden}, "input_norm");
-  check_floats(post_norm, {hidden}, "post_norm");
   TORCH_CHECK(qs.size() == 7 && d.size() == 7 && m.size() == 7 && cols.size() == 7 && w_cols.size() == 7 &&
                   bias.size() == 7,
               kOp, ": one qs, d, m, cols, w_cols and bias for each of q, k, v, o, gate, up, down (7), got ", qs.size(),
               ", ", d.size(), ", ", m.size(), ", ", cols.size(), ", ", w_cols.size(), " and ", bias.size());
-  std::vector<Matrix> w;
-  for (size_t i = 0; i < 7; ++i) {
-    w.push_back(minillm_kernels::blocks(qs[i], d[i], m.get(i), kNames[i]));
-    minillm_kernels::attach_columns(w.back(), cols.get(i), w_cols.get(i), kNames[i], i);
-    if (const std::optional<at::Tensor> b = bias.get(i))
-      check_floats(*b, {w.back().out}, (std::string(kNames[i]) + "'s bias").c_str());
-  }
-  TORCH_CHECK(k_pool.dim() == 4 && k_pool.scalar_type() == at::kFloat && k_pool.is_contiguous() &&
-                  v_pool.sizes() == k_pool.sizes() && v_pool.scalar_type() == at::kFloat && v_pool.is_contiguous(),
-              kOp, ": k_pool and v_pool must be contiguous float32 [num_blocks, n_kv_heads, block_size, head_dim] "
-              "of one shape, got ", k_pool.sizes(), " and ", v_pool.sizes());
-  const int64_t num_blocks = k_pool.size(0), n_kv_heads = k_pool.size(1), block_size = k_pool.size(2),
-                head_dim = k_pool.size(3);
-  TORCH_CHECK(head_dim > 0 && head_dim % 2 == 0 && n_kv_heads > 0 && block_size > 0, kOp,
-              ": the pools [num_blocks, n_kv_heads, block_size, head_dim] need KV heads, blocks and an even head_dim, got ",
-              k_pool.sizes());
-  check_shapes(w, hidden, head_dim, n_kv_heads);
-  const int64_t n_heads = w[0].out / head_dim;
-  // every check before the pools are written: a refused step leaves the cache as it was
-  minillm_kernels::check_paged_step(rows, n_heads, head_dim, k_pool, v_pool, block_tables, context_lens, kOp);
-  check_floats(cos, {rows, head_dim}, "cos");
-  check_floats(sin, {rows, head_dim}, "sin");
-  for (const at::Tensor* slot : {&write_blocks, &write_offsets})
-    TORCH_CHECK(slot->scalar_type() == at::kLong && slot->is_contiguous() && slot->sizes() == at::IntArrayRef{rows},
-                kOp, ": write_blocks and write_offsets must be contiguous int64 [rows=", rows, "], got ",
-                slot->scalar_type(), " ", slot->sizes());
-  const int64_t* blocks_at = write_blocks.data_ptr<int64_t>();
-  const int64_t* offsets_at = write_offsets.data_ptr<int64_t>();
-  for (int64_t r = 0; r < rows; ++r)
-    TORCH_CHECK(blocks_at[r] >= 0 && blocks_at[r] < num_blocks && offsets_at[r] >= 0 && offsets_at[r] < block_size,
-                kOp, ": row ", r, " writes to block ", blocks_at[r], " offset ", offsets_at[r], " of a pool of ",
-                num_blocks, " blocks of ", block_size);
-
-  // attention: norm, q/k/v, RoPE, the new key and value into the pools, then read through the tables
-  at::Tensor xn = at::empty({rows, hidden}, x.options());
-  rms_norm(x.data_ptr<float>(), input_norm.data_ptr<float>(), rows, hidden, static_cast<float>(eps),
-           xn.data_ptr<float>());
-  std::vector<at::Tensor> qkv = minillm_kernels::linears(xn, {w[0], w[1], w[2]}, kOp);
-  for (size_t i = 0; i < 3; ++i) add_bias(qkv[i], bias.get(i));
-  rope(qkv[0].data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), rows, n_heads, head_dim);
-  rope(qkv[1].data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), rows, n_kv_heads, head_dim);
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t h = 0; h < n_kv_heads; ++h) {
-      const int64_t at = ((blocks_at[r] * n_kv_heads + h) * block_size + offsets_at[r]) * head_dim;
-      const int64_t from = (r * n_kv_heads + h) * head_dim;
-      std::memcpy(k_pool.data_ptr<float>() + at, qkv[1].data_ptr<float>() + from, head_dim * sizeof(float));
-      std::memcpy(v_pool.data_ptr<float>() + at, qkv[2].data_ptr<float>() + from, head_dim * sizeof(float));
-    }
-  const at::Tensor attended = minillm_kernels::paged_decode_attention(qkv[0].view({rows, n_heads, head_dim}), k_pool,
-                                                                      v_pool, block_tables, context_lens);
-  at::Tensor h = minillm_kernels::linears(attended.view({rows, n_heads * head_dim}), {w[3]}, kOp)[0];
-  add_bias(h, bias.get(3));
-  add_into(h, x);
-
-  // feed-forward: norm, gate and up, SiLU(gate) * up, down
-  at::Tensor hn = at::empty({rows, hidden}, x.options());
-  rms_norm(h.data_ptr<float>(), post_norm.data_ptr<float>(), rows, hidden, static_cast<float>(eps),
-           hn.data_ptr<float>());
-  std::vector<at::Tensor> gate_up = minillm_kernels::linears(hn, {w[4], w[5]}, kOp);
-  add_bias(gate_up[0], bias.get(4));
-  add_bias(gate_up[1], bias.get(5));
-  silu_mul(gate_up[0].data_ptr<float>(), gate_up[1].data_ptr<float>(), gate_up[0].numel());
-  at::Tensor out = minillm_kernels::linears(gate_up[0], {w[6]}, kOp)[0];
-  add_bias(out, bias.get(6));
-  add_into(out, h);
+  TORCH_CHECK(k_pool.dim() == 4 && k_pool.size(1) > 0 && k_pool.size(2) > 0 && k_pool.size(3) > 0 &&
+                  k_pool.size(3) % 2 == 0,
+              kOp, ": the pools [num_blocks, n_kv_heads, block_size, head_dim] need KV heads, blocks and an even "
+              "head_dim, got ", k_pool.sizes());
+  const Layer layer = layer_of(input_norm, post_norm, eps, qs, d, m, cols, w_cols, bias, 0, k_pool.size(1),
+                               k_pool.size(3));
+  const Step step = step_of(layer, x, cos, sin, write_blocks, write_offsets, block_tables, context_lens);
+  check_pools(layer, step, k_pool, v_pool);
+  Scratch scratch(layer, step.rows);
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  run_layer(layer, step, k_pool, v_pool, x.data_ptr<float>(), out.data_ptr<float>(), scratch);
   return out;
 }
+
+// Every decoder layer of a packed model, for one call per decode step (the engine's CPU step,
+// minillm.engine.runner.KernelLayers): a step of 30 layers through packed_decoder_layer cost
+// ~25 us of Python and dispatch per call beyond the kernel's own ~180 us -- the op converts 42
+// tensors in six lists, checks them and allocates 10 intermediates each time. Here the layers'
+// tensors are handed over once, at construction; a step checks its own tensors and every
+// layer's pools, then runs the layers back to back in one scratch buffer.
+//
+// The layers' weights are read through the tensors held here at every step (not through
+// pointers taken at construction), so a tensor modified in place, even reallocated
+// (``.data = ...``), is what the next step reads; a tensor *replaced* in a module is not seen:
+// the runner checks for that before every step (KernelLayers.still_current) and builds a new one.
+struct PackedLayers : torch::CustomClassHolder {
+  int64_t n_kv_heads, head_dim;
+  std::vector<at::Tensor> input_norms, post_norms, qs, d;
+  std::vector<double> eps;
+  c10::List<std::optional<at::Tensor>> m, cols, w_cols, bias;
+
+  PackedLayers(int64_t n_kv_heads, int64_t head_dim, std::vector<at::Tensor> input_norms,
+               std::vector<at::Tensor> post_norms, std::vector<double> eps, std::vector<at::Tensor> qs,
+               std::vector<at::Tensor> d, c10::List<std::optional<at::Tensor>> m,
+               c10::List<std::optional<at::Tensor>> cols, c10::List<std::optional<at::Tensor>> w_cols,
+               c10::List<std::optional<at::Tensor>> bias)
+      : n_kv_heads(n_kv_heads), head_dim(head_dim), input_norms(std::move(input_norms)),
+        post_norms(std::move(post_norms)), qs(std::move(qs)), d(std::move(d)), eps(std::move(eps)),
+        m(std::move(m)), cols(std::move(cols)), w_cols(std::move(w_cols)), bias(std::move(bias)) {
+    const size_t n = this->input_norms.size();
+    TORCH_CHECK(n > 0 && this->post_norms.size() == n && this->eps.size() == n && this->qs.size() == 7 * n &&
+                    this->d.size() == 7 * n && this->m.size() == 7 * n && this->cols.size() == 7 * n &&
+                    this->w_cols.size() == 7 * n && this->bias.size() == 7 * n,
+                "PackedLayers: for ", n, " layers, two norms and an eps per layer and 7 qs, d, m, cols, w_cols and "
+                "bias per layer (", 7 * n, "), got ", this->post_norms.size(), ", ", this->eps.size(), ", ",
+                this->qs.size(), ", ", this->d.size(), ", ", this->m.size(), ", ", this->cols.size(), ", ",
+                this->w_cols.size(), " and ", this->bias.size());
+    layers();  // every layer checked now, so that a bad model is refused before its first step
+  }
+
+  int64_t size() const { return static_cast<int64_t>(input_norms.size()); }
+
+  // The packed integers layer i reads (q, k, v, o, gate, up, down): which tensors a step passes.
+  std::vector<at::Tensor> matrices(int64_t i) const {
+    TORCH_CHECK(i >= 0 && i < size(), "PackedLayers: no layer ", i, " of ", size());
+    return {qs.begin() + 7 * i, qs.begin() + 7 * i + 7};
+  }
+
+  std::vector<Layer> layers() const {
+    std::vector<Layer> out;
+    for (size_t i = 0; i < input_norms.size(); ++i)
+      out.push_back(layer_of(input_norms[i], post_norms[i], eps[i], qs, d, m, cols, w_cols, bias, 7 * i, n_kv_heads,
+                             head_dim));
+    return out;
+  }
+
+  // x [rows, hidden] through every layer, layer i writing its new keys and values into k_pools[i],
+  // v_pools[i]: [rows, hidden].
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                     const std::vector<at::Tensor>& k_pools, const std::vector<at::Tensor>& v_pools,
+                     const at::Tensor& write_blocks, const at::Tensor& write_offsets, const at::Tensor& block_tables,
+                     const at::Tensor& context_lens) const {
+    const std::vector<Layer> all = layers();
+    TORCH_CHECK(k_pools.size() == all.size() && v_pools.size() == all.size(), "PackedLayers: ", all.size(),
+                " layers need as many k_pools and v_pools, got ", k_pools.size(), " and ", v_pools.size());
+    const Step step = step_of(all[0], x, cos, sin, write_blocks, write_offsets, block_tables, context_lens);
+    for (size_t i = 0; i < all.size(); ++i) {
+      TORCH_CHECK(all[i].hidden == all[0].hidden && all[i].n_heads == all[0].n_heads && all[i].ffn == all[0].ffn,
+                  "PackedLayers: layer ", i, " (hidden ", all[i].hidden, ", ", all[i].n_heads, " heads, ffn ",
+                  all[i].ffn, ") differs from layer 0 (", all[0].hidden, ", ", all[0].n_heads, ", ", all[0].ffn, ")");
+      check_pools(all[i], step, k_pools[i], v_pools[i]);
+    }
+    Scratch scratch(all[0], step.rows);  // (every layer has layer 0's sizes)
+    at::Tensor a = at::empty(x.sizes(), x.options()), b = at::empty(x.sizes(), x.options());
+    const float* in = x.data_ptr<float>();
+    for (size_t i = 0; i < all.size(); ++i) {
+      float* out = (i % 2 == 0 ? a : b).data_ptr<float>();
+      run_layer(all[i], step, k_pools[i], v_pools[i], in, out, scratch);
+      in = out;
+    }
+    return all.size() % 2 == 1 ? a : b;
+  }
+};
 
 }  // namespace
 
@@ -245,6 +398,14 @@ TORCH_LIBRARY_FRAGMENT(minillm, lib) {
           "Tensor?[] m, Tensor?[] cols, Tensor?[] w_cols, Tensor?[] bias, Tensor cos, Tensor sin, Tensor(a!) k_pool, "
           "Tensor(b!) v_pool, Tensor write_blocks, Tensor write_offsets, Tensor block_tables, Tensor context_lens) "
           "-> Tensor");
+  lib.class_<PackedLayers>("PackedLayers")
+      .def(torch::init<int64_t, int64_t, std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<double>,
+                       std::vector<at::Tensor>, std::vector<at::Tensor>, c10::List<std::optional<at::Tensor>>,
+                       c10::List<std::optional<at::Tensor>>, c10::List<std::optional<at::Tensor>>,
+                       c10::List<std::optional<at::Tensor>>>())
+      .def("size", &PackedLayers::size)
+      .def("matrices", &PackedLayers::matrices)
+      .def("forward", &PackedLayers::forward);
 }
 
 TORCH_LIBRARY_IMPL(minillm, CPU, lib) {

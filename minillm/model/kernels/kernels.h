@@ -55,6 +55,10 @@ void attach_columns(Matrix& w, const std::optional<at::Tensor>& cols, const std:
 // x [rows, in] float32 times each matrix: one [rows, out_i] result per matrix, in one parallel pass.
 std::vector<at::Tensor> linears(const at::Tensor& x, const std::vector<Matrix>& ws, const char* name);
 
+// The same into ys[i] [n_rows, out_i] (unchecked: x has ws[i].blocks * 32 columns, no y overlaps x).
+void linears_into(const float* x, int64_t n_rows, int64_t in, const std::vector<Matrix>& ws,
+                  const std::vector<float*>& ys);
+
 // That a decode step's pools, block tables and lengths fit ``rows`` queries of ``n_heads`` x
 // ``head_dim``: shapes, dtypes, every length within its table and every block within the pool
 // (``op`` names the caller in the error).
@@ -65,5 +69,9 @@ void check_paged_step(int64_t rows, int64_t n_heads, int64_t head_dim, const at:
 // One query per row [rows, n_heads, head_dim] over its keys in the pools, through its block table.
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens);
+
+// The same into out [rows, n_heads, head_dim] (unchecked: the caller ran check_paged_step).
+void attend(const float* q, int64_t rows, int64_t n_heads, const at::Tensor& k_pool, const at::Tensor& v_pool,
+            const at::Tensor& block_tables, const at::Tensor& context_lens, float* out);
 
 }  // namespace minillm_kernels

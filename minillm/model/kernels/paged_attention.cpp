@@ -341,9 +341,17 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
               ": q must be contiguous float32 [rows, n_heads, head_dim], got ", q.scalar_type(), " ", q.sizes());
   check_paged_step(q.size(0), q.size(1), q.size(2), k_pool, v_pool, block_tables, context_lens,
                    "paged_decode_attention");
-  const int64_t rows = q.size(0);
-  const Shape sh{q.size(1), k_pool.size(1), q.size(1) / k_pool.size(1), q.size(2), k_pool.size(2),
-                 block_tables.size(1), 1.0f / std::sqrt(static_cast<float>(q.size(2)))};
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  attend(q.data_ptr<float>(), q.size(0), q.size(1), k_pool, v_pool, block_tables, context_lens,
+         out.data_ptr<float>());
+  return out;
+}
+
+void attend(const float* qp, int64_t rows, int64_t n_heads, const at::Tensor& k_pool, const at::Tensor& v_pool,
+            const at::Tensor& block_tables, const at::Tensor& context_lens, float* op) {
+  const int64_t head_dim = k_pool.size(3);
+  const Shape sh{n_heads, k_pool.size(1), n_heads / k_pool.size(1), head_dim, k_pool.size(2),
+                 block_tables.size(1), 1.0f / std::sqrt(static_cast<float>(head_dim))};
   const int64_t* lens = context_lens.data_ptr<int64_t>();
 
   // the tasks: chunks of each row's keys
@@ -364,7 +372,6 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
     return Partial{base, base + H, base + 2 * H};
   };
 
-  const float* qp = q.data_ptr<float>();
   const float* kp = k_pool.data_ptr<float>();
   const float* vp = v_pool.data_ptr<float>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
@@ -377,8 +384,6 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
   });
 
   // merge each row's chunks: rescale every chunk to the largest maximum, then divide
-  at::Tensor out = at::empty(q.sizes(), q.options());
-  float* op = out.data_ptr<float>();
   for (int64_t row = 0; row < rows; ++row) {
     for (int64_t head = 0; head < H; ++head) {
       float max = -std::numeric_limits<float>::infinity();
@@ -395,7 +400,6 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
       for (int64_t i = 0; i < D; ++i) o[i] /= total;
     }
   }
-  return out;
 }
 
 }  // namespace minillm_kernels

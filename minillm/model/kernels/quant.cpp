@@ -22,6 +22,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/mm.h>
 #include <torch/library.h>
 
@@ -367,45 +368,55 @@ void add_columns(const Matrix& w, const float* x, int64_t n_rows, int64_t in, fl
 
 namespace minillm_kernels {
 
-// x times each of several matrices that share it (a layer's q/k/v, or gate/up): one result per
-// matrix. For a decode step the cores split *all* their output rows between them in one
-// parallel region (one fork and join instead of one per matrix, and the small k/v matrices no
-// longer leave a core idle).
-std::vector<at::Tensor> linears(const at::Tensor& x, const std::vector<Matrix>& ws, const char* name) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
-              name, ": x must be a contiguous float32 CPU matrix [rows, in], got ", x.sizes(), " ", x.scalar_type());
-  const int64_t n_rows = x.size(0), in = x.size(1);
-  std::vector<at::Tensor> ys;
-  for (const Matrix& w : ws) {
-    TORCH_CHECK(in == w.blocks * kBlock, name, ": x has ", in, " features, the weight takes ", w.blocks * kBlock,
-                " (", w.blocks, " blocks of 32)");
-    if (n_rows > kPackedRows) {  // prefill: a float copy of this one matrix, then MKL's product
-      at::Tensor weight = at::empty({w.out, in}, x.options());
+// x [n_rows, in] times each of several matrices that share it (a layer's q/k/v, or gate/up),
+// into ys[i] [n_rows, out_i]. For a decode step the cores split *all* their output rows between
+// them in one parallel region (one fork and join instead of one per matrix, and the small k/v
+// matrices no longer leave a core idle).
+void linears_into(const float* x, int64_t n_rows, int64_t in, const std::vector<Matrix>& ws,
+                  const std::vector<float*>& ys) {
+  if (n_rows > kPackedRows) {  // prefill: a float copy of one matrix at a time, then MKL's product
+    const at::Tensor xt = at::from_blob(const_cast<float*>(x), {n_rows, in}, at::kFloat);
+    for (size_t i = 0; i < ws.size(); ++i) {
+      const Matrix& w = ws[i];
+      at::Tensor weight = at::empty({w.out, in}, at::kFloat);
       float* wp = weight.data_ptr<float>();
       at::parallel_for(0, w.out, 16, [&](int64_t begin, int64_t end) {
         dequantize_rows(w, wp, begin, end);
         for (int64_t k = 0; k < w.n_cols; ++k)  // the float columns, added to the copy (zeros in the blocks)
           for (int64_t o = begin; o < end; ++o) wp[o * in + w.cols[k]] += w.w_cols[k * w.out + o];
       });
-      ys.push_back(at::mm(x, weight.t()));
-    } else {
-      ys.push_back(at::empty({n_rows, w.out}, x.options()));
+      at::Tensor y = at::from_blob(ys[i], {n_rows, w.out}, at::kFloat);
+      at::mm_out(y, xt, weight.t());
     }
+    return;
   }
-  if (n_rows > kPackedRows) return ys;
   int64_t total = 0;  // the matrices' output rows, end to end
   for (const Matrix& w : ws) total += w.out;
-  const float* xp = x.data_ptr<float>();
   at::parallel_for(0, total, 64, [&](int64_t begin, int64_t end) {
     int64_t first = 0;  // the row of the whole list where matrix i starts
     for (size_t i = 0; i < ws.size(); first += ws[i].out, ++i) {
       const int64_t lo = std::max(begin, first), hi = std::min(end, first + ws[i].out);
       if (lo < hi) {
-        rows_of(ws[i], xp, n_rows, in, ys[i].data_ptr<float>(), lo - first, hi - first);
-        if (ws[i].n_cols) add_columns(ws[i], xp, n_rows, in, ys[i].data_ptr<float>(), lo - first, hi - first);
+        rows_of(ws[i], x, n_rows, in, ys[i], lo - first, hi - first);
+        if (ws[i].n_cols) add_columns(ws[i], x, n_rows, in, ys[i], lo - first, hi - first);
       }
     }
   });
+}
+
+std::vector<at::Tensor> linears(const at::Tensor& x, const std::vector<Matrix>& ws, const char* name) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
+              name, ": x must be a contiguous float32 CPU matrix [rows, in], got ", x.sizes(), " ", x.scalar_type());
+  const int64_t n_rows = x.size(0), in = x.size(1);
+  std::vector<at::Tensor> ys;
+  std::vector<float*> outputs;
+  for (const Matrix& w : ws) {
+    TORCH_CHECK(in == w.blocks * kBlock, name, ": x has ", in, " features, the weight takes ", w.blocks * kBlock,
+                " (", w.blocks, " blocks of 32)");
+    ys.push_back(at::empty({n_rows, w.out}, x.options()));
+    outputs.push_back(ys.back().data_ptr<float>());
+  }
+  linears_into(x.data_ptr<float>(), n_rows, in, ws, outputs);
   return ys;
 }
 
