@@ -486,7 +486,9 @@ class Engine:
                 sampled.append(unit)
                 sampled_rows.append(row)
                 row += 1
-        return self._sample(sampled, logits[sampled_rows])
+        if sampled_rows != list(range(len(logits))):  # (beams in the batch: gather the sampled rows,
+            logits = logits[sampled_rows]                # a copy of 192 KB a row, so only when needed)
+        return self._sample(sampled, logits)
 
     def _cache_full_blocks(self, seq_id: int, unit: Unit) -> None:
         """Key the blocks of ``seq_id`` the step just filled, so later prompts with the same
