@@ -101,9 +101,9 @@ def test_a_model_changed_under_a_running_engine_is_planned_again_and_a_model_who
     assert runner_module.uniform(model, first.cache)
     eager = [c.token_ids for c in Engine(model, tok, compile=False).generate(prompts, params)]
     assert [c.token_ids for c in first.generate(prompts, params)] == eager
-    if kernels.vectorized():  # every layer packed: each is one kernel call, the head a new program
-        assert isinstance(first.runner.regions, runner_module.KernelLayers)
-        assert len(runner_module.CompiledRegions._built["logits"]) > programs["logits"]
+    if kernels.vectorized():  # every matrix packed, the table too: the whole step is one C++ call
+        assert isinstance(first.runner.regions, runner_module.KernelLayers) and first.runner.regions.whole_step
+        assert first.runner._decode == first.runner.regions.decode_step
     else:
         assert all(len(runner_module.CompiledRegions._built[kind]) > programs[kind] for kind in programs)  # new ones
     assert [c.token_ids for c in Engine(model, tok, compile=True).generate(prompts, params)] == eager
@@ -142,6 +142,55 @@ def test_kernel_layers_see_a_matrix_swapped_into_a_later_layer(tiny_llama):
     assert isinstance(planned, runner_module.KernelLayers) and planned is not regions and planned.still_current()
     qs = planned._stack.matrices(1)  # the packed integers the C++ object reads for layer 1
     assert qs[6] is model.layers[1].mlp.down_proj.qs and qs[6] is not down.qs
+
+
+@pytest.mark.skipif(not kernels.vectorized(), reason="the packed layer kernel needs the AVX-512 or AVX2 kernels")
+def test_a_packed_models_whole_decode_step_is_one_call_and_equals_the_step_in_python(tiny_llama):
+    """With the table, the final norm and the head packed too, the runner's decode step is one C++
+    call from token ids to logits. On the same cache it writes exactly the keys and values the
+    Python step (``decode_step`` without regions: the table looked up in PyTorch, each layer's
+    kernel, the norm and head in PyTorch) writes, and its logits equal them to float32 rounding;
+    a token id outside the table is refused by name, the cache untouched; a head swapped under a
+    running engine is the one the next step reads."""
+    from minillm.model import quant
+
+    folder, _, _ = tiny_llama
+    model, tok = load_model(folder, device="cpu")
+    quant.quantize_model(model, "q4_1")  # the table and the head in Q8_0 (quant.TABLE_FORMAT)
+    engine = Engine(model, tok, compile=True)
+    engine.generate([[3, 1, 4, 1, 5], [9, 2, 6]], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    regions = engine.runner.regions
+    assert isinstance(regions, runner_module.KernelLayers) and regions.whole_step
+
+    cache = engine.cache
+    with torch.inference_mode():
+        for seq, prompt in enumerate([[5, 9, 2, 7, 1], [3], [8, 8, 4, 6, 2, 9, 1, 5, 3]]):
+            cache.add_sequence(100 + seq)
+            model(torch.tensor([prompt]), cache=cache.prepare([100 + seq], len(prompt)))
+    step = cache.prepare([100, 101, 102], 1)
+    args = (model, torch.tensor([[17], [250], [4]]), step.positions_flat, step.write_blocks, step.write_offsets,
+            step.block_tables, step.context_lens, cache.k, cache.v)
+    before = [pool.clone() for pool in cache.k + cache.v]
+    with torch.inference_mode():
+        one_call = regions.decode_step(*args)
+        written = [pool.clone() for pool in cache.k + cache.v]
+        for pool, saved in zip(cache.k + cache.v, before):
+            pool.copy_(saved)
+        in_python = runner_module.decode_step(*args)
+    assert all(torch.equal(a, b) for a, b in zip(written, cache.k + cache.v))
+    assert (one_call - in_python).abs().max() <= 1e-5 * in_python.abs().max()
+
+    for pool, saved in zip(cache.k + cache.v, before):
+        pool.copy_(saved)
+    with pytest.raises(RuntimeError, match=r"row 1 has token id 300, outside the embedding table's 300 rows"):
+        regions.decode_step(model, torch.tensor([[17], [300], [4]]), *args[2:])
+    assert all(torch.equal(a, b) for a, b in zip(cache.k + cache.v, before))
+
+    head = model.lm_head
+    model.lm_head = quant.QuantizedLinear.from_float(head.dequantize().flip(0), "q8_0")
+    assert not regions.still_current()
+    engine.generate([[3, 1, 4]], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    assert engine.runner.regions is not regions and engine.runner.regions.whole_step
 
 
 def test_the_structure_fingerprint_sees_swapped_modules_and_converted_tensors(tiny_llama):

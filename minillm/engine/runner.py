@@ -66,7 +66,7 @@ from minillm.cache.paged import PagedBatch, PagedKVCache
 from minillm.model import kernels
 from minillm.model.layers import Linear, RMSNorm
 from minillm.model.llama import Block, Transformer
-from minillm.model.quant import layer_arguments, layer_matrices, packs_whole_layer
+from minillm.model.quant import ends_arguments, layer_arguments, layer_matrices, packs_ends, packs_whole_layer
 
 CUDA_ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -243,18 +243,20 @@ class CompiledRegions:
 class KernelLayers(CompiledRegions):
     """The regions of a model whose every layer is packed (``quant.packs_whole_layer``) on a CPU
     with the vector kernels: all the layers run as one call of a C++ object that holds them
-    (``kernels.packed_layers``), and the final norm and LM head as the compiled region they are
-    for any model.
+    (``kernels.packed_layers``). Where the model's ends are packed too (``quant.packs_ends``:
+    the embedding table, the final norm and the LM head), the whole decode step is that one call,
+    token ids to logits (``decode_step``); otherwise the final norm and LM head run as the
+    compiled region they are for any model.
 
     Such a layer is already compiled code (C++), so a compiled program around six of them only
     adds Python: measured on the course machine, 0.33 ms per call of a 6-layer region beyond the
     kernels' own time -- 1.7 ms of a ~9 ms token. Calling ``packed_decoder_layer`` once per layer
     still cost ~25 us of dispatch a layer (its 42 weight tensors converted, checked and its
-    intermediates allocated at every call): 0.75 ms a token. Here the layers' tensors are handed
-    over once, when the runner plans, and a step is one call (~10 us beyond the kernels). As for
-    the compiled regions, the runner checks before every step that the model is the one it
-    planned for (``structure_fingerprint``: the first layer, the norm and the head;
-    ``still_current``: every tensor the object holds) and plans again if not.
+    intermediates allocated at every call): 0.75 ms a token. Here the tensors are handed over
+    once, when the runner plans, and a step is one call (~10 us beyond the kernels). As for the
+    compiled regions, the runner checks before every step that the model is the one it planned
+    for (``structure_fingerprint``: the first layer, the norm and the head; ``still_current``:
+    every tensor the object holds) and plans again if not.
     """
 
     def __init__(self, model: Transformer) -> None:
@@ -263,7 +265,10 @@ class KernelLayers(CompiledRegions):
         self._blocks = tuple(model.layers)
         self._stack = kernels.packed_layers([layer_arguments(block) for block in model.layers],
                                             attention.n_kv_heads, attention.head_dim)
-        self._watched = _where_arguments_come_from(model)
+        self.whole_step = packs_ends(model)
+        if self.whole_step:
+            self._stack.set_ends(*ends_arguments(model))
+        self._watched = _where_arguments_come_from(model, self.whole_step)
         self._assignments = Assignments.count
 
     def group_size(self, n_layers: int) -> int:
@@ -294,11 +299,23 @@ class KernelLayers(CompiledRegions):
                                   v_pools, *slots_and_tables)
         return out.view(rows, 1, -1)
 
+    def decode_step(self, model: Transformer, token_ids: torch.Tensor, positions: torch.Tensor,
+                    write_blocks: torch.Tensor, write_offsets: torch.Tensor, block_tables: torch.Tensor,
+                    context_lens: torch.Tensor, k_pools: list[torch.Tensor], v_pools: list[torch.Tensor]) -> torch.Tensor:
+        """``decode_step`` (same arguments, same logits [rows, vocab]) as one C++ call: the table's
+        rows, every layer, the final norm and the head. Only the rotary angles come from Python
+        (``model.rotary``, the very cos and sin every other path uses)."""
+        rows = token_ids.shape[0]
+        cos, sin = model.rotary(positions[:, None], model.dtype)
+        return self._stack.logits(token_ids.reshape(rows), cos.reshape(rows, -1), sin.reshape(rows, -1), k_pools,
+                                  v_pools, write_blocks, write_offsets, block_tables, context_lens)
 
-def _where_arguments_come_from(model: Transformer) -> tuple[list[dict], list[str], list[Any]]:
+
+def _where_arguments_come_from(model: Transformer, ends: bool) -> tuple[list[dict], list[str], list[Any]]:
     """Each (dictionary, key, object) that ``layer_arguments`` read for every layer: the blocks
     in the model's list, their modules, the matrices' buffers and biases, the norms' weights and
-    eps. Unzipped into three lists, for ``KernelLayers.still_current``."""
+    eps; with ``ends``, what ``ends_arguments`` read of the table, the final norm and the head.
+    Unzipped into three lists, for ``KernelLayers.still_current``."""
     entries = []
     for index, block in enumerate(model.layers):
         entries.append((model.layers._modules, str(index), block))
@@ -307,6 +324,13 @@ def _where_arguments_come_from(model: Transformer) -> tuple[list[dict], list[str
         for norm in (block.input_layernorm, block.post_attention_layernorm):
             entries += [(norm._parameters, "weight", norm.weight), (vars(norm), "eps", norm.eps)]
         for matrix in layer_matrices(block):
+            entries += [(matrix._buffers, name, tensor) for name, tensor in matrix._buffers.items()]
+            entries.append((matrix._parameters, "bias", matrix._parameters.get("bias")))
+    if ends:
+        entries += [(model._modules, name, model._modules[name]) for name in ("embed_tokens", "norm", "lm_head")]
+        entries += [(model.embed_tokens._modules, "table", model.embed_tokens.table),
+                    (model.norm._parameters, "weight", model.norm.weight), (vars(model.norm), "eps", model.norm.eps)]
+        for matrix in (model.embed_tokens.table, model.lm_head):
             entries += [(matrix._buffers, name, tensor) for name, tensor in matrix._buffers.items()]
             entries.append((matrix._parameters, "bias", matrix._parameters.get("bias")))
     dicts, keys, objects = (list(part) for part in zip(*entries))
@@ -433,7 +457,9 @@ class ModelRunner:
             self.regions.forget()
         else:
             self.regions = None
-        if self.regions is not None:
+        if isinstance(self.regions, KernelLayers) and self.regions.whole_step:
+            self._decode = self.regions.decode_step
+        elif self.regions is not None:
             self._decode = functools.partial(decode_step, regions=self.regions)
         else:
             self._decode = torch.compile(decode_step, fullgraph=True, dynamic=False)

@@ -51,7 +51,7 @@ from minillm.model.attention import Attention
 from minillm.model.layers import RMSNorm, SwiGLU
 
 if TYPE_CHECKING:
-    from minillm.model.llama import Block
+    from minillm.model.llama import Block, Transformer
 
 BLOCK_SIZE = 32
 FORMATS = ("q8_0", "q4_0", "q4_1")
@@ -377,6 +377,25 @@ def layer_matrices(block: Block) -> tuple[torch.nn.Module, ...]:
     """A layer's seven matrices, in the order the layer kernel takes them: q, k, v, o, gate, up, down."""
     attn, mlp = block.self_attn, block.mlp
     return (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+
+
+def packs_ends(model: Transformer) -> bool:
+    """Whether a model's ends are packed too: the embedding table and the LM head in block formats
+    (the table whole, without float32 columns), the final norm a float32 RMSNorm. With every layer
+    packed as well, a decode step is one C++ call from token ids to logits (``kernels.packed_layers``,
+    ``ends_arguments``)."""
+    table, norm, head = model.embed_tokens, model.norm, model.lm_head
+    return (type(table) is QuantizedEmbedding and table.dtype == torch.float32 and table.table.outlier_cols is None
+            and type(norm) is RMSNorm and norm.weight.dtype == torch.float32
+            and type(head) is QuantizedLinear and (head.bias is None or head.bias.dtype == torch.float32))
+
+
+def ends_arguments(model: Transformer) -> tuple:
+    """What ``PackedLayers.set_ends`` needs of a model whose ends ``packs_ends``: the table's blocks,
+    the final norm's weight and eps, the head's blocks, float32 columns and bias."""
+    table, head = model.embed_tokens.table, model.lm_head
+    return (table.qs, table.d, table.m, model.norm.weight, model.norm.eps,
+            head.qs, head.d, head.m, head.outlier_cols, head.outlier_w, head.bias)
 
 
 # --------------------------------------------------------------------------- whole models

@@ -370,9 +370,81 @@ struct PackedLayers : torch::CustomClassHolder {
                      const at::Tensor& write_blocks, const at::Tensor& write_offsets, const at::Tensor& block_tables,
                      const at::Tensor& context_lens) const {
     const std::vector<Layer> all = layers();
+    const Step step = step_of(all[0], x, cos, sin, write_blocks, write_offsets, block_tables, context_lens);
+    return run(all, step, x, k_pools, v_pools);
+  }
+
+  // The model's ends, for ``logits``: the embedding table and the LM head in a block format, the
+  // final norm's weight and eps (the head's m, columns and bias as a packed matrix has them).
+  void set_ends(const at::Tensor& table_qs, const at::Tensor& table_d, const std::optional<at::Tensor>& table_m,
+                const at::Tensor& norm, double norm_eps, const at::Tensor& head_qs, const at::Tensor& head_d,
+                const std::optional<at::Tensor>& head_m, const std::optional<at::Tensor>& head_cols,
+                const std::optional<at::Tensor>& head_w_cols, const std::optional<at::Tensor>& head_bias) {
+    ends = {table_qs, table_d, table_m, norm, norm_eps, head_qs, head_d, head_m, head_cols, head_w_cols, head_bias};
+    check_ends(layers()[0]);
+  }
+
+  // A whole decode step, token_ids [rows] (int64) -> logits [rows, vocab]: the table's rows, every
+  // layer (as forward), the final norm and the LM head, in one call (after set_ends).
+  at::Tensor logits(const at::Tensor& token_ids, const at::Tensor& cos, const at::Tensor& sin,
+                    const std::vector<at::Tensor>& k_pools, const std::vector<at::Tensor>& v_pools,
+                    const at::Tensor& write_blocks, const at::Tensor& write_offsets, const at::Tensor& block_tables,
+                    const at::Tensor& context_lens) const {
+    TORCH_CHECK(ends.has_value(), "PackedLayers.logits: no embedding table and LM head (set_ends)");
+    const std::vector<Layer> all = layers();
+    const auto [table, head] = check_ends(all[0]);
+    TORCH_CHECK(token_ids.scalar_type() == at::kLong && token_ids.dim() == 1 && token_ids.is_contiguous(),
+                "PackedLayers.logits: token_ids must be contiguous int64 [rows], got ", token_ids.scalar_type(), " ",
+                token_ids.sizes());
+    const int64_t rows = token_ids.size(0), hidden = all[0].hidden;
+    const int64_t* ids = token_ids.data_ptr<int64_t>();
+    for (int64_t r = 0; r < rows; ++r)
+      TORCH_CHECK(ids[r] >= 0 && ids[r] < table.out, "PackedLayers.logits: row ", r, " has token id ", ids[r],
+                  ", outside the embedding table's ", table.out, " rows");
+    at::Tensor x = at::empty({rows, hidden}, at::kFloat);
+    const Step step = step_of(all[0], x, cos, sin, write_blocks, write_offsets, block_tables, context_lens);
+    for (int64_t r = 0; r < rows; ++r) minillm_kernels::dequantize_row(table, ids[r], x.data_ptr<float>() + r * hidden);
+    const at::Tensor h = run(all, step, x, k_pools, v_pools);
+    at::Tensor hn = at::empty({rows, hidden}, at::kFloat);
+    rms_norm(h.data_ptr<float>(), ends->norm.data_ptr<float>(), rows, hidden, static_cast<float>(ends->norm_eps),
+             hn.data_ptr<float>());
+    at::Tensor out = at::empty({rows, head.out}, at::kFloat);
+    minillm_kernels::linears_into(hn.data_ptr<float>(), rows, hidden, {head}, {out.data_ptr<float>()});
+    if (ends->head_bias) add_bias(out.data_ptr<float>(), ends->head_bias->data_ptr<float>(), rows, head.out);
+    return out;
+  }
+
+ private:
+  struct Ends {
+    at::Tensor table_qs, table_d;
+    std::optional<at::Tensor> table_m;
+    at::Tensor norm;
+    double norm_eps;
+    at::Tensor head_qs, head_d;
+    std::optional<at::Tensor> head_m, head_cols, head_w_cols, head_bias;
+  };
+  std::optional<Ends> ends;
+
+  // The table and the head as matrices, checked against the layers (read through the tensors at
+  // every step, as the layers' are).
+  std::pair<Matrix, Matrix> check_ends(const Layer& first) const {
+    Matrix table = minillm_kernels::blocks(ends->table_qs, ends->table_d, ends->table_m, "the embedding table");
+    Matrix head = minillm_kernels::blocks(ends->head_qs, ends->head_d, ends->head_m, "lm_head");
+    minillm_kernels::attach_columns(head, ends->head_cols, ends->head_w_cols, "lm_head", 0);
+    TORCH_CHECK(table.blocks * minillm_kernels::kBlock == first.hidden && head.blocks == table.blocks,
+                "PackedLayers: the embedding table is [", table.out, ", ", table.blocks * minillm_kernels::kBlock,
+                "] and lm_head [", head.out, ", ", head.blocks * minillm_kernels::kBlock, "], the layers' hidden size is ",
+                first.hidden);
+    check_floats(ends->norm, {first.hidden}, "the final norm");
+    if (ends->head_bias) check_floats(*ends->head_bias, {head.out}, "lm_head's bias");
+    return {table, head};
+  }
+
+  // The step's checks for every layer's pools (before any is written), then the layers in turn.
+  at::Tensor run(const std::vector<Layer>& all, const Step& step, const at::Tensor& x,
+                 const std::vector<at::Tensor>& k_pools, const std::vector<at::Tensor>& v_pools) const {
     TORCH_CHECK(k_pools.size() == all.size() && v_pools.size() == all.size(), "PackedLayers: ", all.size(),
                 " layers need as many k_pools and v_pools, got ", k_pools.size(), " and ", v_pools.size());
-    const Step step = step_of(all[0], x, cos, sin, write_blocks, write_offsets, block_tables, context_lens);
     for (size_t i = 0; i < all.size(); ++i) {
       TORCH_CHECK(all[i].hidden == all[0].hidden && all[i].n_heads == all[0].n_heads && all[i].ffn == all[0].ffn,
                   "PackedLayers: layer ", i, " (hidden ", all[i].hidden, ", ", all[i].n_heads, " heads, ffn ",
@@ -405,7 +477,9 @@ TORCH_LIBRARY_FRAGMENT(minillm, lib) {
                        c10::List<std::optional<at::Tensor>>>())
       .def("size", &PackedLayers::size)
       .def("matrices", &PackedLayers::matrices)
-      .def("forward", &PackedLayers::forward);
+      .def("forward", &PackedLayers::forward)
+      .def("set_ends", &PackedLayers::set_ends)
+      .def("logits", &PackedLayers::logits);
 }
 
 TORCH_LIBRARY_IMPL(minillm, CPU, lib) {

@@ -52,6 +52,10 @@ Matrix blocks(const at::Tensor& qs, const at::Tensor& d, const std::optional<at:
 void attach_columns(Matrix& w, const std::optional<at::Tensor>& cols, const std::optional<at::Tensor>& w_cols,
                     const char* name, size_t i);
 
+// Row ``row`` of the float matrix the blocks stand for, into out [blocks * 32] (an embedding lookup;
+// the float32 columns, which only products have, are not added).
+void dequantize_row(const Matrix& w, int64_t row, float* out);
+
 // x [rows, in] float32 times each matrix: one [rows, out_i] result per matrix, in one parallel pass.
 std::vector<at::Tensor> linears(const at::Tensor& x, const std::vector<Matrix>& ws, const char* name);
 

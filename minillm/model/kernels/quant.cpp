@@ -147,7 +147,7 @@ void tile(const Matrix& w, const float* x, int64_t in, float* y, int64_t o0) {
     for (int r = 0; r < R; ++r) y[r * w.out + o0 + o] = _mm512_reduce_add_ps(acc[o][r]);
 }
 
-// Output rows [begin, end) of the float matrix the blocks stand for.
+// Output rows [begin, end) of the float matrix the blocks stand for, row begin at out.
 void dequantize_rows(const Matrix& w, float* out, int64_t begin, int64_t end) {
   for (int64_t o = begin; o < end; ++o)
     for (int64_t b = 0; b < w.blocks; ++b) {
@@ -161,7 +161,7 @@ void dequantize_rows(const Matrix& w, float* out, int64_t begin, int64_t end) {
         lo = _mm512_mul_ps(lo, _mm512_set1_ps(d));
         hi = _mm512_mul_ps(hi, _mm512_set1_ps(d));
       }
-      float* dst = out + (o * w.blocks + b) * kBlock;
+      float* dst = out + ((o - begin) * w.blocks + b) * kBlock;
       _mm512_storeu_ps(dst, lo);
       _mm512_storeu_ps(dst + 16, hi);
     }
@@ -271,7 +271,7 @@ void dequantize_rows(const Matrix& w, float* out, int64_t begin, int64_t end) {
         weights<false>(p, _mm256_set1_ps(d), _mm256_setzero_ps(), wv);
         for (int i = 0; i < 4; ++i) wv[i] = _mm256_mul_ps(wv[i], _mm256_set1_ps(d));
       }
-      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + (o * w.blocks + b) * kBlock + 8 * i, wv[i]);
+      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + ((o - begin) * w.blocks + b) * kBlock + 8 * i, wv[i]);
     }
 }
 
@@ -306,7 +306,7 @@ void dequantize_rows(const Matrix& w, float* out, int64_t begin, int64_t end) {
     for (int64_t b = 0; b < w.blocks; ++b) {
       const float d = to_float(w.d + o * w.blocks + b);
       const float m = w.four_bit ? w.minimum(o, b, d) : 0.0f;
-      for (int j = 0; j < kBlock; ++j) out[(o * w.blocks + b) * kBlock + j] = weight(w, o, b, j, d, m);
+      for (int j = 0; j < kBlock; ++j) out[((o - begin) * w.blocks + b) * kBlock + j] = weight(w, o, b, j, d, m);
     }
 }
 
@@ -381,7 +381,7 @@ void linears_into(const float* x, int64_t n_rows, int64_t in, const std::vector<
       at::Tensor weight = at::empty({w.out, in}, at::kFloat);
       float* wp = weight.data_ptr<float>();
       at::parallel_for(0, w.out, 16, [&](int64_t begin, int64_t end) {
-        dequantize_rows(w, wp, begin, end);
+        dequantize_rows(w, wp + begin * in, begin, end);
         for (int64_t k = 0; k < w.n_cols; ++k)  // the float columns, added to the copy (zeros in the blocks)
           for (int64_t o = begin; o < end; ++o) wp[o * in + w.cols[k]] += w.w_cols[k * w.out + o];
       });
@@ -402,6 +402,10 @@ void linears_into(const float* x, int64_t n_rows, int64_t in, const std::vector<
       }
     }
   });
+}
+
+void dequantize_row(const Matrix& w, int64_t row, float* out) {
+  dequantize_rows(w, out, row, row + 1);
 }
 
 std::vector<at::Tensor> linears(const at::Tensor& x, const std::vector<Matrix>& ws, const char* name) {
