@@ -44,6 +44,12 @@ step, in ~10 µs, that the first layer, the norm and the LM head are the modules
 they were (``structure_fingerprint``); when they are not, it plans again. A model whose layers
 differ gets the whole step compiled, every guard kept.
 
+A model whose every matrix is packed (the native GGUF, or ``weights="q8_0"``...) needs no
+compiler at all on a CPU with the vector kernels: its layers, table and head are C++ already,
+so the runner hands their tensors to one C++ object when it plans (``KernelLayers``) and a decode
+step is one call of it, token ids to logits -- the same step, with the Python between the
+kernels gone.
+
 On CUDA the whole step is compiled with ``mode="reduce-overhead"``: each step is replayed as a
 CUDA graph (one launch instead of hundreds), one graph per bucket of rows and table width, the
 inputs padded up to the bucket with rows that write to the pool's scratch block — as vLLM and

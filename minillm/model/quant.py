@@ -327,7 +327,9 @@ class QuantizedEmbedding(torch.nn.Module):
 # A decode step of a packed model spends most of its time in the products, but on the CPU a
 # fifth of it went to the Python between them (inductor's wrapper calling 9 ops and loops per
 # layer). ``kernels.packed_decoder_layer`` runs the whole layer in one call, with the same
-# product and attention kernels: ``Block.forward`` takes that path when it applies.
+# product and attention kernels: ``Block.forward`` takes that path when it applies. The engine
+# goes further: ``kernels.packed_layers`` takes every layer (and, where ``packs_ends``, the
+# table, the final norm and the head) once, and runs a whole decode step in one call.
 
 
 def packs_whole_layer(block: Block) -> bool:

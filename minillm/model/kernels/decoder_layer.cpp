@@ -24,6 +24,11 @@
 // m, the float32 columns), with an optional bias each; cos, sin [rows, head_dim] (rotate-half
 // layout); the layer's pools and the step's write slots, block tables and lengths as
 // paged_decode_attention and PagedBatch.write take them.
+//
+// The engine does not call the op once per layer: PackedLayers (below) holds every layer's
+// tensors, handed over once, and runs a decode step through all of them in one call -- with
+// the embedding table, the final norm and the LM head too (set_ends, logits), token ids to
+// logits. One layer's code (run_layer) serves both.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
