@@ -152,7 +152,7 @@ def test_the_packed_kernel_refuses_what_it_cannot_read_naming_the_sizes():
         kernels.linear("q4_1", torch.randn(1, 64, dtype=torch.float64), blocks["qs"], blocks["d"], blocks["m"])
     with pytest.raises(RuntimeError, match=r"q8_0_linear: qs must be int8, got Byte"):
         kernels.linear("q8_0", torch.randn(1, 64), blocks["qs"], blocks["d"], None)
-    with pytest.raises(RuntimeError, match=r"q4_linear: m must be contiguous float16 shaped like d"):
+    with pytest.raises(RuntimeError, match=r"q4_linear: m must be contiguous float16 on the CPU, shaped like d"):
         kernels.linear("q4_1", torch.randn(1, 64), blocks["qs"], blocks["d"], blocks["m"][:, :1].contiguous())
 
 
@@ -188,7 +188,7 @@ def test_one_call_for_several_matrices_refuses_what_it_cannot_read():
     out = a["qs"].shape[0]
     with pytest.raises(RuntimeError, match=r"packed_linears: column 64 of matrix 0 is outside its 64 inputs"):
         kernels.linears(torch.randn(1, 64), [a["qs"]], [a["d"]], [a["m"]], [torch.tensor([64])], [torch.ones(1, out)])
-    with pytest.raises(RuntimeError, match=rf"packed_linears: w_cols of matrix 0 must be contiguous float32 \[1, {out}\]"):
+    with pytest.raises(RuntimeError, match=rf"packed_linears: w_cols of matrix 0 must be contiguous float32 on the CPU \[1, {out}\]"):
         kernels.linears(torch.randn(1, 64), [a["qs"]], [a["d"]], [a["m"]], [torch.tensor([3])], [torch.ones(2, out)])
     with pytest.raises(RuntimeError, match=r"packed_linears: matrix 0 has cols without w_cols"):
         kernels.linears(torch.randn(1, 64), [a["qs"]], [a["d"]], [a["m"]], [torch.tensor([3])], [None])
@@ -481,6 +481,8 @@ def test_all_layers_in_one_call_equal_the_layer_kernel_layer_by_layer(tmp_path, 
         stack.forward(x, cos, sin, step.k_pools, step.v_pools, step.write_blocks, bad_offsets, *slots_and_tables[2:])
     with pytest.raises(RuntimeError, match=r"2 layers need as many k_pools and v_pools, got 1 and 2"):
         stack.forward(x, cos, sin, step.k_pools[:1], step.v_pools, *slots_and_tables)
+    with pytest.raises(RuntimeError, match=r"the pools, block_tables and context_lens must be on the CPU, got meta"):
+        stack.forward(x, cos, sin, [pool.to("meta") for pool in step.k_pools], step.v_pools, *slots_and_tables)
     assert all(torch.equal(a, b) for a, b in zip(step.k_pools + step.v_pools, before))
     with pytest.raises(RuntimeError, match=r"two norms and an eps per layer and 7 qs"):
         kernels.packed_layers(arguments[:1] + [arguments[1][:3] + tuple(part[:6] for part in arguments[1][3:])],

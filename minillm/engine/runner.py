@@ -470,6 +470,14 @@ class ModelRunner:
         else:
             self._decode = torch.compile(decode_step, fullgraph=True, dynamic=False)
 
+    @property
+    def decode_kind(self) -> str:
+        """How a decode step runs here, in words: "one C++ call" (every matrix packed, on a CPU
+        with the vector kernels: nothing to compile), "compiled" or "eager"."""
+        if isinstance(self.regions, KernelLayers) and self.regions.whole_step:
+            return "one C++ call"
+        return "compiled" if self.compiled else "eager"
+
     @torch.inference_mode()
     def prefill(self, seq_ids: Sequence[int], token_lists: Sequence[Sequence[int]]) -> torch.Tensor:
         """Write the tokens of each sequence (already holding room for them) into the cache in one

@@ -215,9 +215,10 @@ Step step_of(const Layer& layer, const at::Tensor& x, const at::Tensor& cos, con
   check_floats(cos, {rows, layer.head_dim}, "cos");
   check_floats(sin, {rows, layer.head_dim}, "sin");
   for (const at::Tensor* slot : {&write_blocks, &write_offsets})
-    TORCH_CHECK(slot->scalar_type() == at::kLong && slot->is_contiguous() && slot->sizes() == at::IntArrayRef{rows},
-                kOp, ": write_blocks and write_offsets must be contiguous int64 [rows=", rows, "], got ",
-                slot->scalar_type(), " ", slot->sizes());
+    TORCH_CHECK(slot->scalar_type() == at::kLong && slot->is_contiguous() && slot->sizes() == at::IntArrayRef{rows} &&
+                    slot->device().is_cpu(),
+                kOp, ": write_blocks and write_offsets must be contiguous int64 CPU tensors [rows=", rows, "], got ",
+                slot->scalar_type(), " ", slot->sizes(), " on ", slot->device());
   return Step{rows, cos.data_ptr<float>(), sin.data_ptr<float>(), write_blocks.data_ptr<int64_t>(),
               write_offsets.data_ptr<int64_t>(), block_tables, context_lens};
 }
@@ -398,9 +399,10 @@ struct PackedLayers : torch::CustomClassHolder {
     TORCH_CHECK(ends.has_value(), "PackedLayers.logits: no embedding table and LM head (set_ends)");
     const std::vector<Layer> all = layers();
     const auto [table, head] = check_ends(all[0]);
-    TORCH_CHECK(token_ids.scalar_type() == at::kLong && token_ids.dim() == 1 && token_ids.is_contiguous(),
-                "PackedLayers.logits: token_ids must be contiguous int64 [rows], got ", token_ids.scalar_type(), " ",
-                token_ids.sizes());
+    TORCH_CHECK(token_ids.scalar_type() == at::kLong && token_ids.dim() == 1 && token_ids.is_contiguous() &&
+                    token_ids.device().is_cpu(),
+                "PackedLayers.logits: token_ids must be a contiguous int64 CPU tensor [rows], got ",
+                token_ids.scalar_type(), " ", token_ids.sizes(), " on ", token_ids.device());
     const int64_t rows = token_ids.size(0), hidden = all[0].hidden;
     const int64_t* ids = token_ids.data_ptr<int64_t>();
     for (int64_t r = 0; r < rows; ++r)

@@ -302,6 +302,9 @@ namespace minillm_kernels {
 void check_paged_step(int64_t rows, int64_t n_heads, int64_t head_dim, const at::Tensor& k_pool,
                       const at::Tensor& v_pool, const at::Tensor& block_tables, const at::Tensor& context_lens,
                       const char* op) {
+  for (const at::Tensor* t : {&k_pool, &v_pool, &block_tables, &context_lens})
+    TORCH_CHECK(t->device().is_cpu(), op, ": the pools, block_tables and context_lens must be on the CPU, got ",
+                t->device());
   TORCH_CHECK(k_pool.dim() == 4 && k_pool.scalar_type() == at::kFloat && k_pool.is_contiguous(), op,
               ": k_pool must be contiguous float32 [num_blocks, n_kv_heads, block_size, head_dim], got ",
               k_pool.scalar_type(), " ", k_pool.sizes());

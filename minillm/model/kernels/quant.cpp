@@ -432,12 +432,12 @@ Matrix blocks(const at::Tensor& qs, const at::Tensor& d, const std::optional<at:
               name, ": qs must be contiguous [out, blocks, 32] int8 (Q8_0) or [out, blocks, 16] uint8 (Q4), got ",
               qs.sizes(), " ", qs.scalar_type());
   TORCH_CHECK(d.scalar_type() == at::kHalf && d.is_contiguous() && d.dim() == 2 && d.size(0) == qs.size(0) &&
-                  d.size(1) == qs.size(1),
-              name, ": d must be contiguous float16 [out, blocks] = ", qs.sizes().slice(0, 2), ", got ", d.sizes(),
+                  d.size(1) == qs.size(1) && d.device().is_cpu(),
+              name, ": d must be contiguous float16 on the CPU [out, blocks] = ", qs.sizes().slice(0, 2), ", got ", d.sizes(),
               " ", d.scalar_type());
   TORCH_CHECK(!(m && eight_bit), name, ": Q8_0 blocks have no minimums (m)");
-  if (m) TORCH_CHECK(m->scalar_type() == at::kHalf && m->is_contiguous() && m->sizes() == d.sizes(),
-                     name, ": m must be contiguous float16 shaped like d ", d.sizes(), ", got ", m->sizes());
+  if (m) TORCH_CHECK(m->scalar_type() == at::kHalf && m->is_contiguous() && m->sizes() == d.sizes() && m->device().is_cpu(),
+                     name, ": m must be contiguous float16 on the CPU, shaped like d ", d.sizes(), ", got ", m->sizes());
   return Matrix{static_cast<const uint8_t*>(qs.data_ptr()), d.data_ptr<at::Half>(), m ? m->data_ptr<at::Half>() : nullptr,
                 qs.size(0), qs.size(1), !eight_bit, !eight_bit && !m};
 }
@@ -449,12 +449,13 @@ void attach_columns(Matrix& w, const std::optional<at::Tensor>& cols, const std:
   TORCH_CHECK(cols.has_value() == w_cols.has_value(), name, ": matrix ", i, " has ",
               cols ? "cols without w_cols" : "w_cols without cols");
   if (!cols) return;
-  TORCH_CHECK(cols->scalar_type() == at::kLong && cols->dim() == 1 && cols->is_contiguous(), name, ": cols of matrix ",
-              i, " must be contiguous int64 [k], got ", cols->scalar_type(), " ", cols->sizes());
+  TORCH_CHECK(cols->scalar_type() == at::kLong && cols->dim() == 1 && cols->is_contiguous() && cols->device().is_cpu(),
+              name, ": cols of matrix ", i, " must be contiguous int64 on the CPU [k], got ", cols->scalar_type(), " ",
+              cols->sizes());
   TORCH_CHECK(w_cols->scalar_type() == at::kFloat && w_cols->is_contiguous() && w_cols->dim() == 2 &&
-                  w_cols->size(0) == cols->size(0) && w_cols->size(1) == w.out,
-              name, ": w_cols of matrix ", i, " must be contiguous float32 [", cols->size(0), ", ", w.out, "], got ",
-              w_cols->scalar_type(), " ", w_cols->sizes());
+                  w_cols->device().is_cpu() && w_cols->size(0) == cols->size(0) && w_cols->size(1) == w.out,
+              name, ": w_cols of matrix ", i, " must be contiguous float32 on the CPU [", cols->size(0), ", ", w.out,
+              "], got ", w_cols->scalar_type(), " ", w_cols->sizes());
   const int64_t* cp = cols->data_ptr<int64_t>();
   for (int64_t k = 0; k < cols->size(0); ++k)
     TORCH_CHECK(cp[k] >= 0 && cp[k] < w.blocks * kBlock, name, ": column ", cp[k], " of matrix ", i,
