@@ -487,6 +487,19 @@ def test_all_layers_in_one_call_equal_the_layer_kernel_layer_by_layer(tmp_path, 
     with pytest.raises(RuntimeError, match=r"two norms and an eps per layer and 7 qs"):
         kernels.packed_layers(arguments[:1] + [arguments[1][:3] + tuple(part[:6] for part in arguments[1][3:])],
                               config.n_kv_heads, config.head_dim)
+    swapped = arguments[1][:3] + tuple([*part[:4], part[6], part[5], part[4]] for part in arguments[1][3:])
+    with pytest.raises(RuntimeError, match=rf"layer 1: PackedLayers: gate_proj is \[{config.hidden_size}, "):
+        kernels.packed_layers([arguments[0], swapped], config.n_kv_heads, config.head_dim)
+    with pytest.raises(RuntimeError, match=r"PackedLayers.logits: no embedding table and LM head"):
+        stack.logits(torch.tensor([1, 2, 3]), cos, sin, step.k_pools, step.v_pools, *slots_and_tables)
+    ends = quant.ends_arguments(model)
+    stack.set_ends(*ends)
+    with pytest.raises(RuntimeError, match=rf"the final norm must be a contiguous float32 CPU tensor \[{config.hidden_size}\]"):
+        stack.set_ends(*ends[:3], torch.ones(3), *ends[4:])
+    assert stack.logits(torch.tensor([1, 2, 3]), cos, sin, step.k_pools, step.v_pools, *slots_and_tables).shape == \
+        (3, config.vocab_size)  # (the refused set kept the ends there were)
+    for pool, saved in zip(step.k_pools + step.v_pools, before):
+        pool.copy_(saved)
 
     down = model.layers[1].mlp.down_proj
     down.qs.data = torch.flip(down.qs, dims=[0]).contiguous()  # new memory behind the same tensor

@@ -193,6 +193,64 @@ def test_a_packed_models_whole_decode_step_is_one_call_and_equals_the_step_in_py
     assert engine.runner.regions is not regions and engine.runner.regions.whole_step
 
 
+@pytest.mark.skipif(not kernels.vectorized(), reason="the packed layer kernel needs the AVX-512 or AVX2 kernels")
+def test_the_one_call_step_sees_what_no_hook_counts_and_runs_layers_of_different_sizes(tiny_llama):
+    """What PyTorch's registration hooks do not count is still seen by a running engine: a norm's
+    eps set to another number, the layer list replaced or a layer deleted. A fully packed model
+    whose layers differ in FFN width runs as one call too; a model with a forward hook on its
+    embedding keeps the hook (its embedding runs in Python, in eager PyTorch)."""
+    import copy
+
+    from minillm.model import quant
+
+    folder, _, _ = tiny_llama
+    prompts, params = [[3, 1, 4, 1, 5], [9, 2, 6]], SamplingParams(max_new_tokens=6, ignore_eos=True)
+
+    def packed() -> tuple:
+        model, tok = load_model(folder, device="cpu")
+        return quant.quantize_model(model, "q4_1"), tok
+
+    def fresh(model, tok) -> list[list[int]]:
+        return [c.token_ids for c in Engine(model, tok, compile=False).generate(prompts, params)]
+
+    model, tok = packed()
+    engine = Engine(model, tok, compile=True)
+    engine.generate(prompts, params)
+    regions = engine.runner.regions
+    assert isinstance(regions, runner_module.KernelLayers) and regions.whole_step and regions.still_current()
+    for block in model.layers:
+        block.input_layernorm.eps = block.post_attention_layernorm.eps = 10.0
+    model.norm.eps = 0.5
+    assert not regions.still_current()
+    assert [c.token_ids for c in engine.generate(prompts, params)] == fresh(model, tok)
+    regions = engine.runner.regions
+    assert regions.still_current()
+
+    layer = copy.deepcopy(model.layers[1])
+    layer.mlp.down_proj.qs.copy_(layer.mlp.down_proj.qs.flip(0))
+    model.layers = torch.nn.ModuleList([model.layers[0], layer])
+    assert not regions.still_current()
+    assert [c.token_ids for c in engine.generate(prompts, params)] == fresh(model, tok)
+    regions = engine.runner.regions
+    del model.layers[1]
+    assert not regions.still_current()
+
+    model, tok = packed()
+    mlp = model.layers[1].mlp
+    for name, shape in (("gate_proj", (64, 64)), ("up_proj", (64, 64)), ("down_proj", (64, 64))):
+        setattr(mlp, name, quant.QuantizedLinear.from_float(torch.randn(*shape) * 0.1, "q4_1"))
+    engine = Engine(model, tok, compile=True)
+    assert [c.token_ids for c in engine.generate(prompts, params)] == fresh(model, tok)
+    assert isinstance(engine.runner.regions, runner_module.KernelLayers) and engine.runner.regions.whole_step
+
+    model, tok = packed()
+    calls = []
+    model.embed_tokens.register_forward_hook(lambda module, args, out: calls.append(out.shape))
+    engine = Engine(model, tok, compile=True)
+    engine.generate(prompts, params)
+    assert not engine.runner.regions.whole_step and len(calls) >= params.max_new_tokens
+
+
 def test_the_structure_fingerprint_sees_swapped_modules_and_converted_tensors(tiny_llama):
     from minillm.model import quant
 

@@ -77,6 +77,9 @@ from minillm.model.quant import ends_arguments, layer_arguments, layer_matrices,
 CUDA_ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
+_EPS = operator.attrgetter("eps")
+
+
 class Assignments:
     """How many modules, parameters and buffers have been assigned in this process so far:
     PyTorch calls its global registration hooks on every ``module.name = value`` of those kinds
@@ -276,6 +279,12 @@ class KernelLayers(CompiledRegions):
             self._stack.set_ends(*ends_arguments(model))
         self._watched = _where_arguments_come_from(model, self.whole_step)
         self._assignments = Assignments.count
+        # what the assignment count cannot see: the layer list's own dict (``del model.layers[i]``
+        # rebuilds it without a hook) and the norms' eps (a plain attribute), checked every step
+        self._model, self._layer_dict = model, model.layers._modules
+        self._norms = [norm for block in model.layers for norm in (block.input_layernorm, block.post_attention_layernorm)]
+        self._norms += [model.norm] if self.whole_step else []
+        self._eps = [norm.eps for norm in self._norms]
 
     def group_size(self, n_layers: int) -> int:
         return n_layers  # all of them in one call
@@ -284,9 +293,12 @@ class KernelLayers(CompiledRegions):
         """Whether every block, module and tensor the object was built from is still where it was
         (a matrix swapped into a later layer, which ``structure_fingerprint`` does not see, is
         caught here): one identity test each, in C, for SmolLM2's 30 layers 1,740 entries --
-        made only when something was assigned to a module since the last check (``Assignments``).
-        Tensors changed in place need no check: the object reads them at every step."""
-        if Assignments.count == self._assignments:
+        made only when something was assigned to a module since the last check (``Assignments``)
+        or the layer list was rebuilt; the norms' eps (plain numbers, which the object holds
+        copies of) are compared every time. Tensors changed in place need no check: the object
+        reads them at every step."""
+        if (Assignments.count == self._assignments and self._model.layers._modules is self._layer_dict
+                and list(map(_EPS, self._norms)) == self._eps):
             return True
         dicts, keys, objects = self._watched
         current = all(map(operator.is_, map(dict.get, dicts, keys), objects))
@@ -321,8 +333,9 @@ def _where_arguments_come_from(model: Transformer, ends: bool) -> tuple[list[dic
     """Each (dictionary, key, object) that ``layer_arguments`` read for every layer: the blocks
     in the model's list, their modules, the matrices' buffers and biases, the norms' weights and
     eps; with ``ends``, what ``ends_arguments`` read of the table, the final norm and the head.
-    Unzipped into three lists, for ``KernelLayers.still_current``."""
-    entries = []
+    Unzipped into three lists, for ``KernelLayers.still_current``. (The model's layer list and
+    its dict come first: replacing the list, or deleting a layer, changes them.)"""
+    entries = [(model._modules, "layers", model.layers), (vars(model.layers), "_modules", model.layers._modules)]
     for index, block in enumerate(model.layers):
         entries.append((model.layers._modules, str(index), block))
         for owner in (block, block.self_attn, block.mlp):

@@ -332,11 +332,19 @@ class QuantizedEmbedding(torch.nn.Module):
 # table, the final norm and the head) once, and runs a whole decode step in one call.
 
 
+def _hooked(module: torch.nn.Module) -> bool:
+    """Whether ``module`` or one inside it has forward hooks, which a C++ kernel would not call."""
+    return any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())
+
+
 def packs_whole_layer(block: Block) -> bool:
     """Whether ``block`` is a layer ``kernels.packed_decoder_layer`` can run: the standard norms,
-    attention and SwiGLU modules, float32 norms (and biases, if any), every matrix packed."""
+    attention and SwiGLU modules, float32 norms (and biases, if any), every matrix packed, and no
+    forward hooks (the kernel would skip them: a hooked layer runs its modules one by one)."""
     attn, mlp, norms = block.self_attn, block.mlp, (block.input_layernorm, block.post_attention_layernorm)
     if type(attn) is not Attention or type(mlp) is not SwiGLU or any(type(norm) is not RMSNorm for norm in norms):
+        return False
+    if _hooked(block):
         return False
     return (all(type(layer) is QuantizedLinear and (layer.bias is None or layer.bias.dtype == torch.float32)
                 for layer in layer_matrices(block))
@@ -383,10 +391,13 @@ def layer_matrices(block: Block) -> tuple[torch.nn.Module, ...]:
 
 def packs_ends(model: Transformer) -> bool:
     """Whether a model's ends are packed too: the embedding table and the LM head in block formats
-    (the table whole, without float32 columns), the final norm a float32 RMSNorm. With every layer
+    (the table whole, without float32 columns), the final norm a float32 RMSNorm, none of them
+    with forward hooks. With every layer
     packed as well, a decode step is one C++ call from token ids to logits (``kernels.packed_layers``,
     ``ends_arguments``)."""
     table, norm, head = model.embed_tokens, model.norm, model.lm_head
+    if any(_hooked(module) for module in (table, norm, head)):
+        return False  # (the C++ step would skip the hooks)
     return (type(table) is QuantizedEmbedding and table.dtype == torch.float32 and table.table.outlier_cols is None
             and type(norm) is RMSNorm and norm.weight.dtype == torch.float32
             and type(head) is QuantizedLinear and (head.bias is None or head.bias.dtype == torch.float32))

@@ -134,7 +134,9 @@ def packed_layers(layers: list[tuple], n_kv_heads: int, head_dim: int) -> Any:
     ``quant.layer_arguments``), checked now: an object whose ``forward(x, cos, sin, k_pools,
     v_pools, write_blocks, write_offsets, block_tables, context_lens)`` runs one decode step
     through all of them, layer i on ``k_pools[i]``, ``v_pools[i]`` -- one call per step where
-    ``packed_decoder_layer`` is one per layer."""
+    ``packed_decoder_layer`` is one per layer. After ``set_ends(*quant.ends_arguments(model))``
+    (the table, the final norm and the head), ``logits(token_ids, cos, sin, k_pools, ...)`` is
+    the whole decode step, token ids [rows] to logits [rows, vocab]."""
     input_norms, post_norms, eps, qs, d, m, cols, w_cols, bias = zip(*layers)
     flat = [[tensor for matrices in part for tensor in matrices] for part in (qs, d, m, cols, w_cols, bias)]
     return torch.classes.minillm.PackedLayers(n_kv_heads, head_dim, list(input_norms), list(post_norms),

@@ -50,6 +50,7 @@ namespace {
 using minillm_kernels::Matrix;
 
 const char* const kOp = "packed_decoder_layer";
+const char* const kClass = "PackedLayers";
 const char* const kNames[7] = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
 
 // RMSNorm of each row, as minillm.model.layers.RMSNorm: w * (x / sqrt(mean(x^2) + eps)). The
@@ -129,10 +130,10 @@ void add_into(float* y, const float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += x[i];
 }
 
-void check_floats(const at::Tensor& t, std::vector<int64_t> shape, const std::string& what) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.device().is_cpu() && t.sizes() == shape, kOp,
+void check_floats(const at::Tensor& t, std::vector<int64_t> shape, const std::string& what, const char* op) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.device().is_cpu() && t.sizes() == shape, op,
               ": ", what, " must be a contiguous float32 CPU tensor ", at::IntArrayRef(shape), ", got ",
-              t.scalar_type(), " ", t.sizes());
+              t.scalar_type(), " ", t.sizes(), " on ", t.device());
 }
 
 // One decoder layer's weights as the step reads them: the norms, the seven matrices (q, k, v, o,
@@ -153,24 +154,24 @@ Layer layer_of(const at::Tensor& input_norm, const at::Tensor& post_norm, double
                at::TensorList d, const c10::List<std::optional<at::Tensor>>& m,
                const c10::List<std::optional<at::Tensor>>& cols, const c10::List<std::optional<at::Tensor>>& w_cols,
                const c10::List<std::optional<at::Tensor>>& bias, size_t first, int64_t n_kv_heads,
-               int64_t head_dim) {
+               int64_t head_dim, const char* op) {
   Layer layer{};
   layer.eps = static_cast<float>(eps);
   for (size_t i = 0; i < 7; ++i) {
     layer.w.push_back(minillm_kernels::blocks(qs[first + i], d[first + i], m.get(first + i), kNames[i]));
     minillm_kernels::attach_columns(layer.w.back(), cols.get(first + i), w_cols.get(first + i), kNames[i], i);
     const std::optional<at::Tensor> b = bias.get(first + i);
-    if (b) check_floats(*b, {layer.w.back().out}, std::string(kNames[i]) + "'s bias");
+    if (b) check_floats(*b, {layer.w.back().out}, std::string(kNames[i]) + "'s bias", op);
     layer.bias.push_back(b ? b->data_ptr<float>() : nullptr);
   }
   const std::vector<Matrix>& w = layer.w;
-  TORCH_CHECK(head_dim > 0 && head_dim % 2 == 0 && n_kv_heads > 0, kOp,
+  TORCH_CHECK(head_dim > 0 && head_dim % 2 == 0 && n_kv_heads > 0, op,
               ": a layer needs KV heads and an even head_dim, got ", n_kv_heads, " x ", head_dim);
-  TORCH_CHECK(w[0].out % head_dim == 0 && (w[0].out / head_dim) % n_kv_heads == 0, kOp, ": q_proj's ", w[0].out,
+  TORCH_CHECK(w[0].out % head_dim == 0 && (w[0].out / head_dim) % n_kv_heads == 0, op, ": q_proj's ", w[0].out,
               " outputs are not whole heads of ", head_dim, " sharing ", n_kv_heads, " KV heads");
   const int64_t hidden = w[0].blocks * minillm_kernels::kBlock;
   auto expect = [&](int i, int64_t in, int64_t out) {
-    TORCH_CHECK(w[i].blocks * minillm_kernels::kBlock == in && (out < 0 || w[i].out == out), kOp, ": ", kNames[i],
+    TORCH_CHECK(w[i].blocks * minillm_kernels::kBlock == in && (out < 0 || w[i].out == out), op, ": ", kNames[i],
                 " is [", w[i].out, ", ", w[i].blocks * minillm_kernels::kBlock, "], expected [",
                 out < 0 ? std::string("any") : std::to_string(out), ", ", in, "]");
   };
@@ -180,8 +181,8 @@ Layer layer_of(const at::Tensor& input_norm, const at::Tensor& post_norm, double
   expect(4, hidden, -1);
   expect(5, hidden, w[4].out);
   expect(6, w[4].out, hidden);
-  check_floats(input_norm, {hidden}, "input_norm");
-  check_floats(post_norm, {hidden}, "post_norm");
+  check_floats(input_norm, {hidden}, "input_norm", op);
+  check_floats(post_norm, {hidden}, "post_norm", op);
   layer.input_norm = input_norm.data_ptr<float>();
   layer.post_norm = post_norm.data_ptr<float>();
   layer.hidden = hidden;
@@ -208,44 +209,52 @@ struct Step {
 // check before any pool is written, so that a refused step leaves the cache as it was.
 Step step_of(const Layer& layer, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
              const at::Tensor& write_blocks, const at::Tensor& write_offsets, const at::Tensor& block_tables,
-             const at::Tensor& context_lens) {
-  TORCH_CHECK(x.dim() == 2, kOp, ": x must be [rows, hidden] (one new token per row), got ", x.sizes());
+             const at::Tensor& context_lens, const char* op) {
+  TORCH_CHECK(x.dim() == 2, op, ": x must be [rows, hidden] (one new token per row), got ", x.sizes());
   const int64_t rows = x.size(0);
-  check_floats(x, {rows, layer.hidden}, "x");
-  check_floats(cos, {rows, layer.head_dim}, "cos");
-  check_floats(sin, {rows, layer.head_dim}, "sin");
+  check_floats(x, {rows, layer.hidden}, "x", op);
+  check_floats(cos, {rows, layer.head_dim}, "cos", op);
+  check_floats(sin, {rows, layer.head_dim}, "sin", op);
   for (const at::Tensor* slot : {&write_blocks, &write_offsets})
     TORCH_CHECK(slot->scalar_type() == at::kLong && slot->is_contiguous() && slot->sizes() == at::IntArrayRef{rows} &&
                     slot->device().is_cpu(),
-                kOp, ": write_blocks and write_offsets must be contiguous int64 CPU tensors [rows=", rows, "], got ",
+                op, ": write_blocks and write_offsets must be contiguous int64 CPU tensors [rows=", rows, "], got ",
                 slot->scalar_type(), " ", slot->sizes(), " on ", slot->device());
   return Step{rows, cos.data_ptr<float>(), sin.data_ptr<float>(), write_blocks.data_ptr<int64_t>(),
               write_offsets.data_ptr<int64_t>(), block_tables, context_lens};
 }
 
-void check_pools(const Layer& layer, const Step& step, const at::Tensor& k_pool, const at::Tensor& v_pool) {
-  TORCH_CHECK(k_pool.dim() == 4 && k_pool.size(1) == layer.n_kv_heads && k_pool.size(3) == layer.head_dim, kOp,
+void check_pools(const Layer& layer, const Step& step, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                 const char* op) {
+  TORCH_CHECK(k_pool.dim() == 4 && k_pool.size(1) == layer.n_kv_heads && k_pool.size(3) == layer.head_dim, op,
               ": the pools must be [num_blocks, n_kv_heads=", layer.n_kv_heads, ", block_size, head_dim=",
               layer.head_dim, "], got ", k_pool.sizes());
   minillm_kernels::check_paged_step(step.rows, layer.n_heads, layer.head_dim, k_pool, v_pool, step.block_tables,
-                                    step.context_lens, kOp);
+                                    step.context_lens, op);
   for (int64_t r = 0; r < step.rows; ++r)
     TORCH_CHECK(step.write_blocks[r] >= 0 && step.write_blocks[r] < k_pool.size(0) && step.write_offsets[r] >= 0 &&
                     step.write_offsets[r] < k_pool.size(2),
-                kOp, ": row ", r, " writes to block ", step.write_blocks[r], " offset ", step.write_offsets[r],
+                op, ": row ", r, " writes to block ", step.write_blocks[r], " offset ", step.write_offsets[r],
                 " of a pool of ", k_pool.size(0), " blocks of ", k_pool.size(2));
 }
 
-// Room for a layer's intermediate rows, reused by every layer of a step: one allocation.
+// Room for the layers' intermediate rows, reused by every layer of a step: one allocation, each
+// part sized for the largest layer (layers may differ in heads and FFN width, not in hidden size).
 struct Scratch {
   at::Tensor storage;
   float *xn, *q, *k, *v, *attended, *h, *gate, *up;
-  Scratch(const Layer& l, int64_t rows) {
-    const int64_t kv = l.n_kv_heads * l.head_dim, q_out = l.n_heads * l.head_dim;
-    storage = at::empty({rows * (2 * l.hidden + 2 * q_out + 2 * kv + 2 * l.ffn)}, at::kFloat);
+  Scratch(const std::vector<Layer>& layers, int64_t rows) {
+    int64_t hidden = 0, q_out = 0, kv = 0, ffn = 0;
+    for (const Layer& l : layers) {
+      hidden = std::max(hidden, l.hidden);
+      q_out = std::max(q_out, l.n_heads * l.head_dim);
+      kv = std::max(kv, l.n_kv_heads * l.head_dim);
+      ffn = std::max(ffn, l.ffn);
+    }
+    storage = at::empty({rows * (2 * hidden + 2 * q_out + 2 * kv + 2 * ffn)}, at::kFloat);
     float* at = storage.data_ptr<float>();
-    for (auto [field, size] : {std::pair{&xn, l.hidden}, {&q, q_out}, {&k, kv}, {&v, kv}, {&attended, q_out},
-                               {&h, l.hidden}, {&gate, l.ffn}, {&up, l.ffn}}) {
+    for (auto [field, size] : {std::pair{&xn, hidden}, {&q, q_out}, {&k, kv}, {&v, kv}, {&attended, q_out},
+                               {&h, hidden}, {&gate, ffn}, {&up, ffn}}) {
       *field = at;
       at += rows * size;
     }
@@ -308,10 +317,10 @@ at::Tensor packed_decoder_layer(const at::Tensor& x, const at::Tensor& input_nor
               kOp, ": the pools [num_blocks, n_kv_heads, block_size, head_dim] need KV heads, blocks and an even "
               "head_dim, got ", k_pool.sizes());
   const Layer layer = layer_of(input_norm, post_norm, eps, qs, d, m, cols, w_cols, bias, 0, k_pool.size(1),
-                               k_pool.size(3));
-  const Step step = step_of(layer, x, cos, sin, write_blocks, write_offsets, block_tables, context_lens);
-  check_pools(layer, step, k_pool, v_pool);
-  Scratch scratch(layer, step.rows);
+                               k_pool.size(3), kOp);
+  const Step step = step_of(layer, x, cos, sin, write_blocks, write_offsets, block_tables, context_lens, kOp);
+  check_pools(layer, step, k_pool, v_pool, kOp);
+  Scratch scratch({layer}, step.rows);
   at::Tensor out = at::empty(x.sizes(), x.options());
   run_layer(layer, step, k_pool, v_pool, x.data_ptr<float>(), out.data_ptr<float>(), scratch);
   return out;
@@ -329,6 +338,15 @@ at::Tensor packed_decoder_layer(const at::Tensor& x, const at::Tensor& input_nor
 // (``.data = ...``), is what the next step reads; a tensor *replaced* in a module is not seen:
 // the runner checks for that before every step (KernelLayers.still_current) and builds a new one.
 struct PackedLayers : torch::CustomClassHolder {
+  struct Ends {  // the embedding table, the final norm and the LM head (set_ends)
+    at::Tensor table_qs, table_d;
+    std::optional<at::Tensor> table_m;
+    at::Tensor norm;
+    double norm_eps;
+    at::Tensor head_qs, head_d;
+    std::optional<at::Tensor> head_m, head_cols, head_w_cols, head_bias;
+  };
+
   int64_t n_kv_heads, head_dim;
   std::vector<at::Tensor> input_norms, post_norms, qs, d;
   std::vector<double> eps;
@@ -361,11 +379,20 @@ struct PackedLayers : torch::CustomClassHolder {
     return {qs.begin() + 7 * i, qs.begin() + 7 * i + 7};
   }
 
+  // Every layer's weights, checked (an error names the layer); the layers may differ in heads and
+  // FFN width, not in hidden size (the residual stream they all add to).
   std::vector<Layer> layers() const {
     std::vector<Layer> out;
-    for (size_t i = 0; i < input_norms.size(); ++i)
-      out.push_back(layer_of(input_norms[i], post_norms[i], eps[i], qs, d, m, cols, w_cols, bias, 7 * i, n_kv_heads,
-                             head_dim));
+    for (size_t i = 0; i < input_norms.size(); ++i) {
+      try {
+        out.push_back(layer_of(input_norms[i], post_norms[i], eps[i], qs, d, m, cols, w_cols, bias, 7 * i,
+                               n_kv_heads, head_dim, kClass));
+      } catch (const c10::Error& error) {
+        TORCH_CHECK(false, "layer ", i, ": ", error.msg());
+      }
+      TORCH_CHECK(out[i].hidden == out[0].hidden, kClass, ": layer ", i, " takes ", out[i].hidden,
+                  " features, layer 0 ", out[0].hidden);
+    }
     return out;
   }
 
@@ -376,7 +403,7 @@ struct PackedLayers : torch::CustomClassHolder {
                      const at::Tensor& write_blocks, const at::Tensor& write_offsets, const at::Tensor& block_tables,
                      const at::Tensor& context_lens) const {
     const std::vector<Layer> all = layers();
-    const Step step = step_of(all[0], x, cos, sin, write_blocks, write_offsets, block_tables, context_lens);
+    const Step step = step_of(all[0], x, cos, sin, write_blocks, write_offsets, block_tables, context_lens, kClass);
     return run(all, step, x, k_pools, v_pools);
   }
 
@@ -386,8 +413,10 @@ struct PackedLayers : torch::CustomClassHolder {
                 const at::Tensor& norm, double norm_eps, const at::Tensor& head_qs, const at::Tensor& head_d,
                 const std::optional<at::Tensor>& head_m, const std::optional<at::Tensor>& head_cols,
                 const std::optional<at::Tensor>& head_w_cols, const std::optional<at::Tensor>& head_bias) {
-    ends = {table_qs, table_d, table_m, norm, norm_eps, head_qs, head_d, head_m, head_cols, head_w_cols, head_bias};
-    check_ends(layers()[0]);
+    const Ends candidate{table_qs, table_d, table_m, norm, norm_eps, head_qs, head_d, head_m, head_cols, head_w_cols,
+                         head_bias};
+    check_ends(candidate, layers()[0]);  // (a refused set keeps the ends there were)
+    ends = candidate;
   }
 
   // A whole decode step, token_ids [rows] (int64) -> logits [rows, vocab]: the table's rows, every
@@ -398,7 +427,7 @@ struct PackedLayers : torch::CustomClassHolder {
                     const at::Tensor& context_lens) const {
     TORCH_CHECK(ends.has_value(), "PackedLayers.logits: no embedding table and LM head (set_ends)");
     const std::vector<Layer> all = layers();
-    const auto [table, head] = check_ends(all[0]);
+    const auto [table, head] = check_ends(*ends, all[0]);
     TORCH_CHECK(token_ids.scalar_type() == at::kLong && token_ids.dim() == 1 && token_ids.is_contiguous() &&
                     token_ids.device().is_cpu(),
                 "PackedLayers.logits: token_ids must be a contiguous int64 CPU tensor [rows], got ",
@@ -409,7 +438,7 @@ struct PackedLayers : torch::CustomClassHolder {
       TORCH_CHECK(ids[r] >= 0 && ids[r] < table.out, "PackedLayers.logits: row ", r, " has token id ", ids[r],
                   ", outside the embedding table's ", table.out, " rows");
     at::Tensor x = at::empty({rows, hidden}, at::kFloat);
-    const Step step = step_of(all[0], x, cos, sin, write_blocks, write_offsets, block_tables, context_lens);
+    const Step step = step_of(all[0], x, cos, sin, write_blocks, write_offsets, block_tables, context_lens, kClass);
     for (int64_t r = 0; r < rows; ++r) minillm_kernels::dequantize_row(table, ids[r], x.data_ptr<float>() + r * hidden);
     const at::Tensor h = run(all, step, x, k_pools, v_pools);
     at::Tensor hn = at::empty({rows, hidden}, at::kFloat);
@@ -422,28 +451,20 @@ struct PackedLayers : torch::CustomClassHolder {
   }
 
  private:
-  struct Ends {
-    at::Tensor table_qs, table_d;
-    std::optional<at::Tensor> table_m;
-    at::Tensor norm;
-    double norm_eps;
-    at::Tensor head_qs, head_d;
-    std::optional<at::Tensor> head_m, head_cols, head_w_cols, head_bias;
-  };
   std::optional<Ends> ends;
 
   // The table and the head as matrices, checked against the layers (read through the tensors at
   // every step, as the layers' are).
-  std::pair<Matrix, Matrix> check_ends(const Layer& first) const {
-    Matrix table = minillm_kernels::blocks(ends->table_qs, ends->table_d, ends->table_m, "the embedding table");
-    Matrix head = minillm_kernels::blocks(ends->head_qs, ends->head_d, ends->head_m, "lm_head");
-    minillm_kernels::attach_columns(head, ends->head_cols, ends->head_w_cols, "lm_head", 0);
+  static std::pair<Matrix, Matrix> check_ends(const Ends& ends, const Layer& first) {
+    Matrix table = minillm_kernels::blocks(ends.table_qs, ends.table_d, ends.table_m, "the embedding table");
+    Matrix head = minillm_kernels::blocks(ends.head_qs, ends.head_d, ends.head_m, "lm_head");
+    minillm_kernels::attach_columns(head, ends.head_cols, ends.head_w_cols, "lm_head", 0);
     TORCH_CHECK(table.blocks * minillm_kernels::kBlock == first.hidden && head.blocks == table.blocks,
                 "PackedLayers: the embedding table is [", table.out, ", ", table.blocks * minillm_kernels::kBlock,
                 "] and lm_head [", head.out, ", ", head.blocks * minillm_kernels::kBlock, "], the layers' hidden size is ",
                 first.hidden);
-    check_floats(ends->norm, {first.hidden}, "the final norm");
-    if (ends->head_bias) check_floats(*ends->head_bias, {head.out}, "lm_head's bias");
+    check_floats(ends.norm, {first.hidden}, "the final norm", kClass);
+    if (ends.head_bias) check_floats(*ends.head_bias, {head.out}, "lm_head's bias", kClass);
     return {table, head};
   }
 
@@ -452,13 +473,8 @@ struct PackedLayers : torch::CustomClassHolder {
                  const std::vector<at::Tensor>& k_pools, const std::vector<at::Tensor>& v_pools) const {
     TORCH_CHECK(k_pools.size() == all.size() && v_pools.size() == all.size(), "PackedLayers: ", all.size(),
                 " layers need as many k_pools and v_pools, got ", k_pools.size(), " and ", v_pools.size());
-    for (size_t i = 0; i < all.size(); ++i) {
-      TORCH_CHECK(all[i].hidden == all[0].hidden && all[i].n_heads == all[0].n_heads && all[i].ffn == all[0].ffn,
-                  "PackedLayers: layer ", i, " (hidden ", all[i].hidden, ", ", all[i].n_heads, " heads, ffn ",
-                  all[i].ffn, ") differs from layer 0 (", all[0].hidden, ", ", all[0].n_heads, ", ", all[0].ffn, ")");
-      check_pools(all[i], step, k_pools[i], v_pools[i]);
-    }
-    Scratch scratch(all[0], step.rows);  // (every layer has layer 0's sizes)
+    for (size_t i = 0; i < all.size(); ++i) check_pools(all[i], step, k_pools[i], v_pools[i], kClass);
+    Scratch scratch(all, step.rows);
     at::Tensor a = at::empty(x.sizes(), x.options()), b = at::empty(x.sizes(), x.options());
     const float* in = x.data_ptr<float>();
     for (size_t i = 0; i < all.size(); ++i) {
