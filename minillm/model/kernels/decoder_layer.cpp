@@ -335,8 +335,9 @@ at::Tensor packed_decoder_layer(const at::Tensor& x, const at::Tensor& input_nor
 //
 // The layers' weights are read through the tensors held here at every step (not through
 // pointers taken at construction), so a tensor modified in place, even reallocated
-// (``.data = ...``), is what the next step reads; a tensor *replaced* in a module is not seen:
-// the runner checks for that before every step (KernelLayers.still_current) and builds a new one.
+// (``.data = ...``), is what the next step reads; a tensor *replaced* in a module is not seen,
+// nor a norm's eps changed (numbers, copied here): the runner checks for both before every step
+// (KernelLayers.still_current) and builds a new object.
 struct PackedLayers : torch::CustomClassHolder {
   struct Ends {  // the embedding table, the final norm and the LM head (set_ends)
     at::Tensor table_qs, table_d;
