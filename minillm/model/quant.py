@@ -392,9 +392,8 @@ def layer_matrices(block: Block) -> tuple[torch.nn.Module, ...]:
 def packs_ends(model: Transformer) -> bool:
     """Whether a model's ends are packed too: the embedding table and the LM head in block formats
     (the table whole, without float32 columns), the final norm a float32 RMSNorm, none of them
-    with forward hooks. With every layer
-    packed as well, a decode step is one C++ call from token ids to logits (``kernels.packed_layers``,
-    ``ends_arguments``)."""
+    with forward hooks. With every layer packed as well, a decode step is one C++ call from token
+    ids to logits (``kernels.packed_layers``, ``ends_arguments``)."""
     table, norm, head = model.embed_tokens, model.norm, model.lm_head
     if any(_hooked(module) for module in (table, norm, head)):
         return False  # (the C++ step would skip the hooks)
