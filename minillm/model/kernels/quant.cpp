@@ -202,9 +202,12 @@ inline void halves_to_floats(const at::Half* p, int64_t n, float* out) {
 }
 
 // As the AVX-512 tile: O output rows times R input rows, each block turned into weights once and
-// used R times, two accumulators per pair (two chains of FMAs instead of one long one), the next
-// tile's bytes prefetched, the scales (and minimums) converted 8 blocks at a time. With 16
-// registers, O shrinks as R grows (``tile_outputs``).
+// used R times, the next tile's bytes prefetched, the scales (and minimums) converted 8 blocks at
+// a time. With 16 registers, O shrinks as R grows (``tile_outputs``). One input row gets two
+// accumulators per output row (two chains of FMAs instead of one long one); with more, the R
+// rows are independent chains already, and one accumulator each keeps the tile in the registers:
+// two each (16 for a 2 x 4 tile) spilled to the stack, 24 % slower at 4 to 32 rows (course machine).
+// (One output row times 8 input rows, tried, was no faster than 2 x 4.)
 template <Format F, int O, int R>
 void tile(const Matrix& w, const float* x, int64_t in, float* y, int64_t o0) {
   constexpr bool FourBit = F != Format::q8_0;
@@ -213,9 +216,11 @@ void tile(const Matrix& w, const float* x, int64_t in, float* y, int64_t o0) {
   const uint8_t* q = w.qs + o0 * blocks * bytes;
   const uint8_t* next = q + O * blocks * bytes;
   const bool prefetch = o0 + 2 * O <= w.out;
-  __m256 acc[O][R][2];
+  constexpr int A = R == 1 ? 2 : 1;  // accumulators per (output, input) pair
+  __m256 acc[O][R][A];
   for (int o = 0; o < O; ++o)
-    for (int r = 0; r < R; ++r) acc[o][r][0] = acc[o][r][1] = _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r)
+      for (int a = 0; a < A; ++a) acc[o][r][a] = _mm256_setzero_ps();
   alignas(32) float scales[O][8], minimums[O][8];
   for (int64_t chunk = 0; chunk < blocks; chunk += 8) {
     const int64_t n = std::min<int64_t>(8, blocks - chunk);
@@ -242,7 +247,7 @@ void tile(const Matrix& w, const float* x, int64_t in, float* y, int64_t o0) {
           qx = _mm256_fmadd_ps(wv[1], _mm256_loadu_ps(xb + 8), qx);
           qx = _mm256_fmadd_ps(wv[2], _mm256_loadu_ps(xb + 16), qx);
           qx = _mm256_fmadd_ps(wv[3], _mm256_loadu_ps(xb + 24), qx);
-          acc[o][0][b & 1] = _mm256_fmadd_ps(qx, d, acc[o][0][b & 1]);
+          acc[o][0][b % A] = _mm256_fmadd_ps(qx, d, acc[o][0][b % A]);
           continue;
         }
         if (!FourBit)
@@ -251,12 +256,12 @@ void tile(const Matrix& w, const float* x, int64_t in, float* y, int64_t o0) {
         for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
           for (int k = 0; k < 4; ++k)
-            acc[o][r][k & 1] = _mm256_fmadd_ps(wv[k], _mm256_loadu_ps(xb + r * in + 8 * k), acc[o][r][k & 1]);
+            acc[o][r][k % A] = _mm256_fmadd_ps(wv[k], _mm256_loadu_ps(xb + r * in + 8 * k), acc[o][r][k % A]);
       }
     }
   }
   for (int o = 0; o < O; ++o)
-    for (int r = 0; r < R; ++r) y[r * w.out + o0 + o] = reduce_add(_mm256_add_ps(acc[o][r][0], acc[o][r][1]));
+    for (int r = 0; r < R; ++r) y[r * w.out + o0 + o] = reduce_add(A == 2 ? _mm256_add_ps(acc[o][r][0], acc[o][r][A - 1]) : acc[o][r][0]);
 }
 
 void dequantize_rows(const Matrix& w, float* out, int64_t begin, int64_t end) {
@@ -313,7 +318,7 @@ void dequantize_rows(const Matrix& w, float* out, int64_t begin, int64_t end) {
 #endif
 
 // Output rows per tile for R input rows: 4 where the accumulators fit in the registers (all of
-// AVX-512's 32), fewer with AVX2's 16 (R = 4: 2 x 4 x 2 accumulators).
+// AVX-512's 32), fewer with AVX2's 16 (R = 4: 2 x 4 accumulators).
 constexpr int tile_outputs(int R) {
 #if defined(MINILLM_AVX2)
   return R >= 4 ? 2 : 4;
