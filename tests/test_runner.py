@@ -205,6 +205,59 @@ def test_a_packed_models_whole_decode_step_is_one_call_and_equals_the_step_in_py
 
 
 @pytest.mark.skipif(not kernels.vectorized(), reason="the packed layer kernel needs the AVX-512 or AVX2 kernels")
+def test_a_short_prefill_runs_as_the_one_call_step_and_agrees_with_the_layer_by_layer_prefill(tiny_llama, monkeypatch):
+    """On the packed whole-step path a prefill of up to ``STEP_PREFILL_TOKENS`` tokens is the decode
+    step, a row per token (two prompts packed, one of them after a prefix already in the cache,
+    blocks of 4): its logits and the keys and values it writes agree with the layer-by-layer
+    prefill's to float32 rounding, and the lengths move on alike. A longer prompt goes layer by
+    layer. ``logits_rows`` naming a row the step does not have is refused by name, pools untouched."""
+    from minillm.model import quant
+
+    folder, _, _ = tiny_llama
+    model, tok = load_model(folder, device="cpu")
+    quant.quantize_model(model, "q4_1")
+    engine = Engine(model, tok, compile=True, block_size=4)
+    runner, cache = engine.runner, engine.cache
+    assert runner.decode_kind == "one C++ call"
+    steps: list[int] = []
+    one_call = runner.regions.decode_step
+    monkeypatch.setattr(runner.regions, "decode_step", lambda *a, **k: steps.append(len(a[1])) or one_call(*a, **k))
+    with torch.inference_mode():
+        cache.add_sequence(100)
+        model(torch.tensor([[7, 3, 9, 4, 4, 1]]), cache=cache.prepare([100], 6))  # a prefix already stored
+        cache.add_sequence(101)
+        prompts = {100: [5, 9, 2, 7, 1], 101: [3, 8, 8, 4, 6, 2, 9, 11, 250]}
+        cache.copy_blocks(cache.manager.reserve(list(prompts), [len(p) for p in prompts.values()]))
+        before, lengths = [pool.clone() for pool in cache.k + cache.v], dict(cache.lengths)
+        as_step = runner.prefill(list(prompts), list(prompts.values()))
+        written, lengths_after = [pool.clone() for pool in cache.k + cache.v], dict(cache.lengths)
+        assert steps == [14] and as_step.shape == (2, 300)
+        for pool, saved in zip(cache.k + cache.v, before):
+            pool.copy_(saved)
+        cache.manager.lengths.update(lengths)
+        monkeypatch.setattr(runner_module, "STEP_PREFILL_TOKENS", 0)
+        by_layers = runner.prefill(list(prompts), list(prompts.values()))
+    assert steps == [14] and dict(cache.lengths) == lengths_after
+    assert (as_step - by_layers).abs().max() <= 1e-4 * by_layers.abs().max()
+    for got, expected in zip(written, cache.k + cache.v):
+        assert (got - expected).abs().max() <= 1e-4 * expected.abs().max()
+
+    monkeypatch.setattr(runner_module, "STEP_PREFILL_TOKENS", 32)
+    engine.generate([list(range(1, 34))], SamplingParams(max_new_tokens=1))  # 33 tokens: layer by layer
+    assert steps == [14]
+    engine.generate([list(range(1, 33))], SamplingParams(max_new_tokens=1))  # 32: the step
+    assert steps == [14, 32]
+
+    step = cache.prepare([101], 1)
+    args = (model, torch.tensor([[17]]), step.positions_flat, step.write_blocks, step.write_offsets,
+            step.block_tables, step.context_lens, cache.k, cache.v)
+    before = [pool.clone() for pool in cache.k + cache.v]
+    with torch.inference_mode(), pytest.raises(RuntimeError, match=r"logits_rows\[0\] is 1, not one of the step's 1 rows"):
+        one_call(*args, logits_rows=torch.tensor([1]))
+    assert all(torch.equal(a, b) for a, b in zip(cache.k + cache.v, before))
+
+
+@pytest.mark.skipif(not kernels.vectorized(), reason="the packed layer kernel needs the AVX-512 or AVX2 kernels")
 def test_the_one_call_step_sees_what_no_hook_counts_and_runs_layers_of_different_sizes(tiny_llama):
     """What PyTorch's registration hooks do not count is still seen by a running engine: a norm's
     eps set to another number, the layer list replaced or a layer deleted. A fully packed model

@@ -48,7 +48,8 @@ A model whose every matrix is packed (the native GGUF, or ``weights="q8_0"``...)
 compiler at all on a CPU with the vector kernels: its layers, table and head are C++ already,
 so the runner hands their tensors to one C++ object when it plans (``KernelLayers``) and a decode
 step is one call of it, token ids to logits -- the same step, with the Python between the
-kernels gone.
+kernels gone. A short prefill (up to ``STEP_PREFILL_TOKENS``) is that step too: a row per prompt
+token, each with its sequence's block table and its own length, the head on the last tokens.
 
 On CUDA the whole step is compiled with ``mode="reduce-overhead"``: each step is replayed as a
 CUDA graph (one launch instead of hundreds), one graph per bucket of rows and table width, the
@@ -75,6 +76,12 @@ from minillm.model.llama import Block, Transformer
 from minillm.model.quant import ends_arguments, layer_arguments, layer_matrices, packs_ends, packs_whole_layer
 
 CUDA_ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+# A prefill of up to this many tokens runs as the one-call step on the packed path (a row per
+# token): the packed products' tiles serve up to 32 input rows (``kPackedRows`` in quant.cpp).
+# Measured on the course machine, 16 tokens of SmolLM2 took 36-40 ms that way against 53-57 ms
+# layer by layer; past 32 tokens the layer-by-layer prefill (a float product, flash attention) wins.
+STEP_PREFILL_TOKENS = 32
 
 
 _EPS = operator.attrgetter("eps")
@@ -319,14 +326,16 @@ class KernelLayers(CompiledRegions):
 
     def decode_step(self, model: Transformer, token_ids: torch.Tensor, positions: torch.Tensor,
                     write_blocks: torch.Tensor, write_offsets: torch.Tensor, block_tables: torch.Tensor,
-                    context_lens: torch.Tensor, k_pools: list[torch.Tensor], v_pools: list[torch.Tensor]) -> torch.Tensor:
+                    context_lens: torch.Tensor, k_pools: list[torch.Tensor], v_pools: list[torch.Tensor],
+                    logits_rows: torch.Tensor | None = None) -> torch.Tensor:
         """``decode_step`` (same arguments, same logits [rows, vocab]) as one C++ call: the table's
         rows, every layer, the final norm and the head. Only the rotary angles come from Python
-        (``model.rotary``, the very cos and sin every other path uses)."""
+        (``model.rotary``, the very cos and sin every other path uses). With ``logits_rows``, the
+        logits of those rows only [len(logits_rows), vocab] (a prefill's last tokens)."""
         rows = token_ids.shape[0]
         cos, sin = model.rotary(positions[:, None], model.dtype)
         return self._stack.logits(token_ids.reshape(rows), cos.reshape(rows, -1), sin.reshape(rows, -1), k_pools,
-                                  v_pools, write_blocks, write_offsets, block_tables, context_lens)
+                                  v_pools, write_blocks, write_offsets, block_tables, context_lens, logits_rows)
 
 
 def _where_arguments_come_from(model: Transformer, ends: bool) -> tuple[list[dict], list[str], list[Any]]:
@@ -500,9 +509,42 @@ class ModelRunner:
             self.trace.append(("prefill", len(seq_ids)))
         batch = self.cache.batch(seq_ids, lengths)
         flat = torch.tensor([[t for tokens in token_lists for t in tokens]], device=self.model.device)
+        if self._prefill_as_step(flat.shape[1]):
+            return self._prefill_step(flat[0], batch, lengths)
         positions = batch.positions(flat.shape[1])
         logits = self.model.run(flat, positions, None, batch, logits_index=batch.logits_index)
         return logits[0]
+
+    def _prefill_as_step(self, tokens: int) -> bool:
+        """Whether a prefill of ``tokens`` runs as the one-call decode step (``_prefill_step``): on
+        the packed whole-step path, for up to ``STEP_PREFILL_TOKENS`` tokens."""
+        if tokens > STEP_PREFILL_TOKENS or not isinstance(self.regions, KernelLayers) or not self.regions.whole_step:
+            return False
+        self._plan_again_if_changed()
+        return isinstance(self.regions, KernelLayers) and self.regions.whole_step
+
+    def _plan_again_if_changed(self) -> None:
+        """Plan the CPU programs again if the model changed since the last step (quantized in
+        place, say): ``structure_fingerprint``, and for kernel layers ``still_current``."""
+        if self.compiled and not self.on_cuda and (structure_fingerprint(self.model) != self._fingerprint or (
+                isinstance(self.regions, KernelLayers) and not self.regions.still_current())):
+            self._plan_cpu_programs()
+
+    def _prefill_step(self, token_ids: torch.Tensor, batch: PagedBatch, lengths: list[int]) -> torch.Tensor:
+        """A short prefill as the decode step: each prompt token a row of its own, with its sequence's
+        block table and its own context length (its position + 1). The step writes every row's key
+        and value before any row attends, so token t sees the tokens before it and itself -- causal
+        attention, read in place like a decode step's; only each prompt's last token goes through
+        the final norm and the LM head (``logits_rows``). Same logits as the layer-by-layer
+        prefill to float32 rounding (the attention and the norms sum in another order)."""
+        assert isinstance(self.regions, KernelLayers)
+        rows_of_tokens = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+        positions = batch.positions_flat
+        logits = self.regions.decode_step(self.model, token_ids, positions, batch.write_blocks, batch.write_offsets,
+                                          batch.block_tables[rows_of_tokens], positions + 1, self.cache.k, self.cache.v,
+                                          logits_rows=batch.logits_index)
+        batch.advance(len(token_ids))
+        return logits
 
     @torch.inference_mode()
     def decode(self, seq_ids: Sequence[int], tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
@@ -532,9 +574,7 @@ class ModelRunner:
                 for tensor in args[1:7]:
                     torch._dynamo.mark_dynamic(tensor, 0)
             torch._dynamo.mark_dynamic(batch.block_tables, 1)
-        if self.compiled and not self.on_cuda and (structure_fingerprint(self.model) != self._fingerprint or (
-                isinstance(self.regions, KernelLayers) and not self.regions.still_current())):
-            self._plan_cpu_programs()  # the model changed since the last step (quantized in place, say)
+        self._plan_again_if_changed()
         variant = "rows=1" if rows == 1 else "rows>1"
         start = time.perf_counter()
         logits = self._decode(*args)[:rows]

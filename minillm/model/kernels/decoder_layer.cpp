@@ -421,11 +421,15 @@ struct PackedLayers : torch::CustomClassHolder {
   }
 
   // A whole decode step, token_ids [rows] (int64) -> logits [rows, vocab]: the table's rows, every
-  // layer (as forward), the final norm and the LM head, in one call (after set_ends).
+  // layer (as forward), the final norm and the LM head, in one call (after set_ends). With
+  // ``logits_rows`` (int64 [n], row indices), only those rows go through the final norm and the
+  // head: logits [n, vocab]. That is how a short prompt runs as this step (runner.prefill): each of
+  // its tokens a row with the sequence's block table and its own context length (position + 1),
+  // every row's keys and values written before any row attends, the head run for the last token.
   at::Tensor logits(const at::Tensor& token_ids, const at::Tensor& cos, const at::Tensor& sin,
                     const std::vector<at::Tensor>& k_pools, const std::vector<at::Tensor>& v_pools,
                     const at::Tensor& write_blocks, const at::Tensor& write_offsets, const at::Tensor& block_tables,
-                    const at::Tensor& context_lens) const {
+                    const at::Tensor& context_lens, const std::optional<at::Tensor>& logits_rows) const {
     TORCH_CHECK(ends.has_value(), "PackedLayers.logits: no embedding table and LM head (set_ends)");
     const std::vector<Layer> all = layers();
     const auto [table, head] = check_ends(*ends, all[0]);
@@ -438,16 +442,28 @@ struct PackedLayers : torch::CustomClassHolder {
     for (int64_t r = 0; r < rows; ++r)
       TORCH_CHECK(ids[r] >= 0 && ids[r] < table.out, "PackedLayers.logits: row ", r, " has token id ", ids[r],
                   ", outside the embedding table's ", table.out, " rows");
+    if (logits_rows) {
+      TORCH_CHECK(logits_rows->scalar_type() == at::kLong && logits_rows->dim() == 1 && logits_rows->is_contiguous() &&
+                      logits_rows->device().is_cpu(),
+                  "PackedLayers.logits: logits_rows must be a contiguous int64 CPU tensor [n], got ",
+                  logits_rows->scalar_type(), " ", logits_rows->sizes(), " on ", logits_rows->device());
+      const int64_t* wanted = logits_rows->data_ptr<int64_t>();
+      for (int64_t i = 0; i < logits_rows->size(0); ++i)
+        TORCH_CHECK(wanted[i] >= 0 && wanted[i] < rows, "PackedLayers.logits: logits_rows[", i, "] is ", wanted[i],
+                    ", not one of the step's ", rows, " rows");
+    }
     at::Tensor x = at::empty({rows, hidden}, at::kFloat);
     const Step step = step_of(all[0], x, cos, sin, write_blocks, write_offsets, block_tables, context_lens, kClass);
     for (int64_t r = 0; r < rows; ++r) minillm_kernels::dequantize_row(table, ids[r], x.data_ptr<float>() + r * hidden);
-    const at::Tensor h = run(all, step, x, k_pools, v_pools);
-    at::Tensor hn = at::empty({rows, hidden}, at::kFloat);
-    rms_norm(h.data_ptr<float>(), ends->norm.data_ptr<float>(), rows, hidden, static_cast<float>(ends->norm_eps),
+    const at::Tensor h = logits_rows ? run(all, step, x, k_pools, v_pools).index_select(0, *logits_rows)
+                                     : run(all, step, x, k_pools, v_pools);
+    const int64_t n = h.size(0);
+    at::Tensor hn = at::empty({n, hidden}, at::kFloat);
+    rms_norm(h.data_ptr<float>(), ends->norm.data_ptr<float>(), n, hidden, static_cast<float>(ends->norm_eps),
              hn.data_ptr<float>());
-    at::Tensor out = at::empty({rows, head.out}, at::kFloat);
-    minillm_kernels::linears_into(hn.data_ptr<float>(), rows, hidden, {head}, {out.data_ptr<float>()});
-    if (ends->head_bias) add_bias(out.data_ptr<float>(), ends->head_bias->data_ptr<float>(), rows, head.out);
+    at::Tensor out = at::empty({n, head.out}, at::kFloat);
+    minillm_kernels::linears_into(hn.data_ptr<float>(), n, hidden, {head}, {out.data_ptr<float>()});
+    if (ends->head_bias) add_bias(out.data_ptr<float>(), ends->head_bias->data_ptr<float>(), n, head.out);
     return out;
   }
 
@@ -503,7 +519,10 @@ TORCH_LIBRARY_FRAGMENT(minillm, lib) {
       .def("matrices", &PackedLayers::matrices)
       .def("forward", &PackedLayers::forward)
       .def("set_ends", &PackedLayers::set_ends)
-      .def("logits", &PackedLayers::logits);
+      .def("logits", &PackedLayers::logits, "",
+           {torch::arg("token_ids"), torch::arg("cos"), torch::arg("sin"), torch::arg("k_pools"), torch::arg("v_pools"),
+            torch::arg("write_blocks"), torch::arg("write_offsets"), torch::arg("block_tables"),
+            torch::arg("context_lens"), torch::arg("logits_rows") = c10::IValue()});
 }
 
 TORCH_LIBRARY_IMPL(minillm, CPU, lib) {
