@@ -136,6 +136,22 @@ def test_the_packed_kernel_stays_within_float32_rounding_of_the_exact_product(fm
     assert _within_rounding(got, x, dense)
 
 
+@needs_kernels
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_rows_packed_product_does_not_depend_on_the_rows_sharing_its_call(fmt):
+    """Batch invariance: up to 32 input rows (the packed tiles; more go through a float matrix
+    product), each row's sums run in the same order whatever the tile it lands in, so row i of a
+    call with n rows is bit for bit the product of row i alone -- a request's tokens do not depend
+    on who else is in the batch. 37 outputs (tiles and a remainder), 9 blocks (a partial chunk)."""
+    gen = torch.Generator().manual_seed(7)
+    blocks = quantize(torch.randn(37, 9 * 32, generator=gen) * 0.1, fmt)
+    x = torch.randn(32, 9 * 32, generator=gen)
+    alone = torch.cat([kernels.linear(fmt, x[i:i + 1], blocks["qs"], blocks["d"], blocks.get("m")) for i in range(32)])
+    for n in (2, 3, 4, 5, 7, 8, 15, 32):
+        together = kernels.linear(fmt, x[:n], blocks["qs"], blocks["d"], blocks.get("m"))
+        assert torch.equal(together, alone[:n]), f"{n} rows: {(together != alone[:n]).sum().item()} outputs differ"
+
+
 def test_a_quantized_layer_names_its_sizes_when_the_input_does_not_fit():
     layer = QuantizedLinear.from_float(torch.randn(8, 64), "q4_1")
     with pytest.raises(ValueError, match=r"a Q4_1 layer of 64 inputs and 8 outputs got an input of shape \[2, 3, 32\]"):

@@ -446,7 +446,8 @@ struct PackedLayers : torch::CustomClassHolder {
       TORCH_CHECK(logits_rows->scalar_type() == at::kLong && logits_rows->dim() == 1 && logits_rows->is_contiguous() &&
                       logits_rows->device().is_cpu(),
                   "PackedLayers.logits: logits_rows must be a contiguous int64 CPU tensor [n], got ",
-                  logits_rows->scalar_type(), " ", logits_rows->sizes(), " on ", logits_rows->device());
+                  logits_rows->scalar_type(), " ", logits_rows->sizes(), logits_rows->is_contiguous() ? "" : " (not contiguous)",
+                  " on ", logits_rows->device());
       const int64_t* wanted = logits_rows->data_ptr<int64_t>();
       for (int64_t i = 0; i < logits_rows->size(0); ++i)
         TORCH_CHECK(wanted[i] >= 0 && wanted[i] < rows, "PackedLayers.logits: logits_rows[", i, "] is ", wanted[i],

@@ -75,8 +75,9 @@ inline void halves_to_floats(const at::Half* p, int64_t n, float* out) {
 
 // O output rows times R input rows: O * R accumulators of 16 lanes, each block turned into
 // weights once and used R times. The blocks go by in chunks of 16, whose scales (and
-// minimums) are converted to float32 16 at a time. An 8-bit block with one input row (decode):
-// sum q x first, then one multiply by d per block.
+// minimums) are converted to float32 16 at a time. An 8-bit block, for each input row: sum q x
+// first, then one multiply by d per block. Each row's sum goes in the same order whatever R is,
+// so a row's result does not depend on the rows sharing its call (in every format).
 //
 // The next tile's rows follow this tile's in memory, O * bytes per block of them: while this
 // tile reads block b, the next tile's bytes at the same distance are requested (prefetch): one
@@ -126,14 +127,13 @@ void tile(const Matrix& w, const float* x, int64_t in, float* y, int64_t o0) {
         const float m = F == Format::q4_1 ? minimums[o][i] : F == Format::q4_0 ? -8.0f * d : 0.0f;
         __m512 lo, hi;
         weights<FourBit>(q + (o * blocks + b) * bytes, d, m, lo, hi);
-        if (!FourBit && R == 1) {
-          const __m512 qx = _mm512_fmadd_ps(hi, x_hi[0], _mm512_mul_ps(lo, x_lo[0]));
-          acc[o][0] = _mm512_fmadd_ps(qx, _mm512_set1_ps(d), acc[o][0]);
+        if (!FourBit) {  // every row as one row alone: sum q x, then one multiply by d
+#pragma GCC unroll 4
+          for (int r = 0; r < R; ++r) {
+            const __m512 qx = _mm512_fmadd_ps(hi, x_hi[r], _mm512_mul_ps(lo, x_lo[r]));
+            acc[o][r] = _mm512_fmadd_ps(qx, _mm512_set1_ps(d), acc[o][r]);
+          }
           continue;
-        }
-        if (!FourBit) {
-          lo = _mm512_mul_ps(lo, _mm512_set1_ps(d));
-          hi = _mm512_mul_ps(hi, _mm512_set1_ps(d));
         }
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r)
@@ -202,12 +202,12 @@ inline void halves_to_floats(const at::Half* p, int64_t n, float* out) {
 }
 
 // As the AVX-512 tile: O output rows times R input rows, each block turned into weights once and
-// used R times, the next tile's bytes prefetched, the scales (and minimums) converted 8 blocks at
-// a time. With 16 registers, O shrinks as R grows (``tile_outputs``). One input row gets two
-// accumulators per output row (two chains of FMAs instead of one long one); with more, the R
-// rows are independent chains already, and one accumulator each keeps the tile in the registers:
-// two each (16 for a 2 x 4 tile) spilled to the stack, 24 % slower at 4 to 32 rows (course machine).
-// (One output row times 8 input rows, tried, was no faster than 2 x 4.)
+// used R times, two accumulators per pair (two chains of FMAs instead of one long one), the next
+// tile's bytes prefetched, the scales (and minimums) converted 8 blocks at a time. With 16
+// registers, O shrinks as R grows (``tile_outputs``): a 2 x 4 tile's 16 accumulators spilled to
+// the stack, 20-27 % slower at 4 to 32 rows than 1 x 4 (course machine). An 8-bit block is summed
+// as q x first, then scaled by d, for any number of rows: each row's sum then goes in the same
+// order whatever the tile, so a row's result does not depend on the rows sharing its call.
 template <Format F, int O, int R>
 void tile(const Matrix& w, const float* x, int64_t in, float* y, int64_t o0) {
   constexpr bool FourBit = F != Format::q8_0;
@@ -216,11 +216,9 @@ void tile(const Matrix& w, const float* x, int64_t in, float* y, int64_t o0) {
   const uint8_t* q = w.qs + o0 * blocks * bytes;
   const uint8_t* next = q + O * blocks * bytes;
   const bool prefetch = o0 + 2 * O <= w.out;
-  constexpr int A = R == 1 ? 2 : 1;  // accumulators per (output, input) pair
-  __m256 acc[O][R][A];
+  __m256 acc[O][R][2];
   for (int o = 0; o < O; ++o)
-    for (int r = 0; r < R; ++r)
-      for (int a = 0; a < A; ++a) acc[o][r][a] = _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r) acc[o][r][0] = acc[o][r][1] = _mm256_setzero_ps();
   alignas(32) float scales[O][8], minimums[O][8];
   for (int64_t chunk = 0; chunk < blocks; chunk += 8) {
     const int64_t n = std::min<int64_t>(8, blocks - chunk);
@@ -242,26 +240,28 @@ void tile(const Matrix& w, const float* x, int64_t in, float* y, int64_t o0) {
         __m256 wv[4];
         weights<FourBit>(q + (o * blocks + b) * bytes, d, m, wv);
         const float* xb = x + b * kBlock;
-        if (!FourBit && R == 1) {  // sum q x over the block, then one multiply by d
-          __m256 qx = _mm256_mul_ps(wv[0], _mm256_loadu_ps(xb));
-          qx = _mm256_fmadd_ps(wv[1], _mm256_loadu_ps(xb + 8), qx);
-          qx = _mm256_fmadd_ps(wv[2], _mm256_loadu_ps(xb + 16), qx);
-          qx = _mm256_fmadd_ps(wv[3], _mm256_loadu_ps(xb + 24), qx);
-          acc[o][0][b % A] = _mm256_fmadd_ps(qx, d, acc[o][0][b % A]);
+        if (!FourBit) {  // sum q x over the block, then one multiply by d
+#pragma GCC unroll 4
+          for (int r = 0; r < R; ++r) {
+            const float* xr = xb + r * in;
+            __m256 qx = _mm256_mul_ps(wv[0], _mm256_loadu_ps(xr));
+            qx = _mm256_fmadd_ps(wv[1], _mm256_loadu_ps(xr + 8), qx);
+            qx = _mm256_fmadd_ps(wv[2], _mm256_loadu_ps(xr + 16), qx);
+            qx = _mm256_fmadd_ps(wv[3], _mm256_loadu_ps(xr + 24), qx);
+            acc[o][r][b & 1] = _mm256_fmadd_ps(qx, d, acc[o][r][b & 1]);
+          }
           continue;
         }
-        if (!FourBit)
-          for (int k = 0; k < 4; ++k) wv[k] = _mm256_mul_ps(wv[k], d);
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
           for (int k = 0; k < 4; ++k)
-            acc[o][r][k % A] = _mm256_fmadd_ps(wv[k], _mm256_loadu_ps(xb + r * in + 8 * k), acc[o][r][k % A]);
+            acc[o][r][k & 1] = _mm256_fmadd_ps(wv[k], _mm256_loadu_ps(xb + r * in + 8 * k), acc[o][r][k & 1]);
       }
     }
   }
   for (int o = 0; o < O; ++o)
-    for (int r = 0; r < R; ++r) y[r * w.out + o0 + o] = reduce_add(A == 2 ? _mm256_add_ps(acc[o][r][0], acc[o][r][A - 1]) : acc[o][r][0]);
+    for (int r = 0; r < R; ++r) y[r * w.out + o0 + o] = reduce_add(_mm256_add_ps(acc[o][r][0], acc[o][r][1]));
 }
 
 void dequantize_rows(const Matrix& w, float* out, int64_t begin, int64_t end) {
@@ -318,10 +318,10 @@ void dequantize_rows(const Matrix& w, float* out, int64_t begin, int64_t end) {
 #endif
 
 // Output rows per tile for R input rows: 4 where the accumulators fit in the registers (all of
-// AVX-512's 32), fewer with AVX2's 16 (R = 4: 2 x 4 accumulators).
+// AVX-512's 32), fewer with AVX2's 16 (two per pair: 4 x 1 x 2, 2 x 2 x 2, 1 x 4 x 2).
 constexpr int tile_outputs(int R) {
 #if defined(MINILLM_AVX2)
-  return R >= 4 ? 2 : 4;
+  return R >= 4 ? 1 : R == 2 ? 2 : 4;
 #else
   return 4;
 #endif
