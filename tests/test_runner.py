@@ -258,6 +258,39 @@ def test_a_short_prefill_runs_as_the_one_call_step_and_agrees_with_the_layer_by_
 
 
 @pytest.mark.skipif(not kernels.vectorized(), reason="the packed layer kernel needs the AVX-512 or AVX2 kernels")
+def test_on_the_one_call_path_a_rows_logits_do_not_depend_on_the_batch(tiny_llama):
+    """Batch invariance of the packed step: every kernel sums a row in the same order whatever rows
+    share the call (products, attention, norms), so a decode step's logits for four rows of
+    different lengths equal, bit for bit, each row's step alone from the same cache; and so do the
+    greedy tokens of four requests batched and one at a time."""
+    from minillm.model import quant
+
+    folder, _, _ = tiny_llama
+    model, tok = load_model(folder, device="cpu")
+    quant.quantize_model(model, "q4_1")
+    engine = Engine(model, tok, compile=True, block_size=4)
+    prompts, params = [[5, 9, 2, 7, 1], [3], [8, 8, 4, 6, 2, 9, 1, 5, 3, 11, 12], [40, 41]], \
+        SamplingParams(max_new_tokens=12, ignore_eos=True)
+    together = [c.token_ids for c in engine.generate(prompts, params)]
+    assert together == [engine.generate([p], params)[0].token_ids for p in prompts]
+    runner, cache, seqs, tokens = engine.runner, engine.cache, [100, 101, 102, 103], [17, 250, 4, 99]
+    with torch.inference_mode():
+        for seq, prompt in zip(seqs, prompts):
+            cache.add_sequence(seq)
+            model(torch.tensor([prompt]), cache=cache.prepare([seq], len(prompt)))
+        cache.copy_blocks(cache.manager.reserve(seqs, [1] * 4))
+        saved, lengths = [pool.clone() for pool in cache.k + cache.v], dict(cache.lengths)
+        batched = runner.decode(seqs, tokens)
+        alone = []
+        for seq, token in zip(seqs, tokens):
+            for pool, before in zip(cache.k + cache.v, saved):
+                pool.copy_(before)
+            cache.manager.lengths.update(lengths)
+            alone.append(runner.decode([seq], [token]))
+    assert torch.equal(batched, torch.cat(alone))
+
+
+@pytest.mark.skipif(not kernels.vectorized(), reason="the packed layer kernel needs the AVX-512 or AVX2 kernels")
 def test_the_one_call_step_sees_what_no_hook_counts_and_runs_layers_of_different_sizes(tiny_llama):
     """What PyTorch's registration hooks do not count is still seen by a running engine: a norm's
     eps set to another number, the layer list replaced or a layer deleted. A fully packed model
