@@ -105,8 +105,8 @@ def test_a_quantized_layer_equals_a_float_layer_on_the_dequantized_weights(fmt, 
     b = torch.randn(out_features) if bias else None
     layer = QuantizedLinear.from_float(weight, fmt, bias=b)
     dense = layer.dequantize()
-    # 1 row (decode), 15 (a batch: tiles of 4, 2, 1 rows) and 40 (prefill: dequantize, then a float product)
-    for x in (torch.randn(1, 1, in_features), torch.randn(3, 5, in_features), torch.randn(2, 20, in_features)):
+    # 1 row (decode), 15 (a batch: tiles of 4, 2, 1 rows) and 90 (prefill: dequantize, then a float product)
+    for x in (torch.randn(1, 1, in_features), torch.randn(3, 5, in_features), torch.randn(2, 45, in_features)):
         got = layer(x)
         assert got.shape == (*x.shape[:-1], out_features)
         assert _within_rounding(got.reshape(-1, out_features), x.reshape(-1, in_features), dense, b)
@@ -121,10 +121,11 @@ needs_kernels = pytest.mark.skipif(not kernels.available(), reason=f"no packed k
 @needs_kernels
 @pytest.mark.parametrize("fmt", FORMATS)
 @settings(max_examples=25, deadline=None)
-@given(w=matrices, rows=st.integers(1, 40), extra_blocks=st.integers(0, 30), seed=st.integers(0, 2**16))
+@given(w=matrices, rows=st.sampled_from([*range(1, 10), 15, 32, 47, 80, 81, 90]), extra_blocks=st.integers(0, 30),
+       seed=st.integers(0, 2**16))
 def test_the_packed_kernel_stays_within_float32_rounding_of_the_exact_product(fmt, w, rows, extra_blocks, seed):
     """Every tile shape (4/2/1 input rows), chunks of 16 blocks and a partial last one, zero and
-    constant blocks, tiny and huge scales; past 32 rows the dequantize-then-multiply path."""
+    constant blocks, tiny and huge scales; past 80 rows the dequantize-then-multiply path."""
     gen = torch.Generator().manual_seed(seed)
     weight = torch.from_numpy(w)
     weight = torch.cat([weight, torch.randn(weight.shape[0], extra_blocks * 32, generator=gen) * weight.abs().max()], 1)
@@ -139,15 +140,15 @@ def test_the_packed_kernel_stays_within_float32_rounding_of_the_exact_product(fm
 @needs_kernels
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_rows_packed_product_does_not_depend_on_the_rows_sharing_its_call(fmt):
-    """Batch invariance: up to 32 input rows (the packed tiles; more go through a float matrix
+    """Batch invariance: up to 80 input rows (the packed tiles; more go through a float matrix
     product), each row's sums run in the same order whatever the tile it lands in, so row i of a
     call with n rows is bit for bit the product of row i alone -- a request's tokens do not depend
     on who else is in the batch. 37 outputs (tiles and a remainder), 9 blocks (a partial chunk)."""
     gen = torch.Generator().manual_seed(7)
     blocks = quantize(torch.randn(37, 9 * 32, generator=gen) * 0.1, fmt)
-    x = torch.randn(32, 9 * 32, generator=gen)
-    alone = torch.cat([kernels.linear(fmt, x[i:i + 1], blocks["qs"], blocks["d"], blocks.get("m")) for i in range(32)])
-    for n in (2, 3, 4, 5, 7, 8, 15, 32):
+    x = torch.randn(80, 9 * 32, generator=gen)
+    alone = torch.cat([kernels.linear(fmt, x[i:i + 1], blocks["qs"], blocks["d"], blocks.get("m")) for i in range(80)])
+    for n in (2, 3, 4, 5, 7, 8, 15, 32, 80):
         together = kernels.linear(fmt, x[:n], blocks["qs"], blocks["d"], blocks.get("m"))
         assert torch.equal(together, alone[:n]), f"{n} rows: {(together != alone[:n]).sum().item()} outputs differ"
 
@@ -173,7 +174,7 @@ def test_the_packed_kernel_refuses_what_it_cannot_read_naming_the_sizes():
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 3, 8, 40])  # decode, batched decode, and prefill (> 32 rows: dequantize + MKL)
+@pytest.mark.parametrize("rows", [1, 3, 8, 40, 90])  # decode, batched decode, prefill (> 80 rows: dequantize + MKL)
 def test_matrices_that_share_an_input_run_in_one_call_with_each_ones_own_result(rows):
     """``layers.linears`` on packed layers: one kernel call for q/k/v-like groups (here of three
     formats and odd sizes), each result exactly what the layer alone computes — the kernel's sum

@@ -78,10 +78,12 @@ from minillm.model.quant import ends_arguments, layer_arguments, layer_matrices,
 CUDA_ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 # A prefill of up to this many tokens runs as the one-call step on the packed path (a row per
-# token): the packed products' tiles serve up to 32 input rows (``kPackedRows`` in quant.cpp).
-# Measured on the course machine, 16 tokens of SmolLM2 took 36-40 ms that way against 53-57 ms
-# layer by layer; past 32 tokens the layer-by-layer prefill (a float product, flash attention) wins.
-STEP_PREFILL_TOKENS = 32
+# token). Measured on the course machine (SmolLM2, the first token of one prompt, best of 3),
+# against the layer-by-layer prefill: 24 tokens 54 vs 72 ms, 48 tokens 111 vs 127, 64 tokens 150
+# vs 178, 128 tokens 356 vs 386, 256 tokens 473 vs 564; 512 tokens 925 vs 936 (another run):
+# each row attends on its own (no key is shared across the prompt's rows, as flash attention
+# shares them), which catches up with long prompts.
+STEP_PREFILL_TOKENS = 256
 
 
 _EPS = operator.attrgetter("eps")

@@ -44,9 +44,10 @@ enum class Format { q8_0, q4_0, q4_1 };  // the block formats, as template argum
 
 // Input rows up to which the packed product beats "dequantize, then a float matrix product":
 // with more rows each weight is reused enough for MKL's better arithmetic to win. Measured on
-// the course machine (SmolLM2's shapes): at 8 rows the packed product took 0.5-0.9x the time of
-// float32's, at 64 rows 1.4-2.2x.
-constexpr int64_t kPackedRows = 32;
+// the course machine (AVX2, SmolLM2's 1536x576 and 576x1536 Q4_1 matrices, three alternating
+// runs): the packed product took 0.6x the time of dequantize-then-multiply at 40 rows, 0.8x at
+// 64, 0.8-0.9x at 80, 0.9-1.05x at 96.
+constexpr int64_t kPackedRows = 80;
 
 #if defined(MINILLM_AVX512)
 
