@@ -209,8 +209,9 @@ def test_a_short_prefill_runs_as_the_one_call_step_and_agrees_with_the_layer_by_
     """On the packed whole-step path a prefill of up to ``STEP_PREFILL_TOKENS`` tokens is the decode
     step, a row per token (two prompts packed, one of them after a prefix already in the cache,
     blocks of 4): its logits and the keys and values it writes agree with the layer-by-layer
-    prefill's to float32 rounding, and the lengths move on alike. A longer prompt goes layer by
-    layer. ``logits_rows`` naming a row the step does not have is refused by name, pools untouched."""
+    prefill's to float32 rounding, and the lengths move on alike. A longer prompt, or one whose rows
+    would read more keys than ``STEP_PREFILL_KEYS``, goes layer by layer. ``logits_rows`` naming a
+    row the step does not have is refused by name, pools untouched."""
     from minillm.model import quant
 
     folder, _, _ = tiny_llama
@@ -247,6 +248,12 @@ def test_a_short_prefill_runs_as_the_one_call_step_and_agrees_with_the_layer_by_
     assert steps == [14]
     engine.generate([list(range(1, 33))], SamplingParams(max_new_tokens=1))  # 32: the step
     assert steps == [14, 32]
+    monkeypatch.setattr(runner_module, "STEP_PREFILL_KEYS", 32 * 33 // 2 - 1)  # its rows read 1 + 2 + ... + 32 keys
+    engine.generate([list(range(1, 33))], SamplingParams(max_new_tokens=1))
+    assert steps == [14, 32]
+    monkeypatch.setattr(runner_module, "STEP_PREFILL_KEYS", 32 * 33 // 2)
+    engine.generate([list(range(1, 33))], SamplingParams(max_new_tokens=1))
+    assert steps == [14, 32, 32]
 
     step = cache.prepare([101], 1)
     args = (model, torch.tensor([[17]]), step.positions_flat, step.write_blocks, step.write_offsets,

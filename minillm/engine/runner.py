@@ -48,8 +48,9 @@ A model whose every matrix is packed (the native GGUF, or ``weights="q8_0"``...)
 compiler at all on a CPU with the vector kernels: its layers, table and head are C++ already,
 so the runner hands their tensors to one C++ object when it plans (``KernelLayers``) and a decode
 step is one call of it, token ids to logits -- the same step, with the Python between the
-kernels gone. A short prefill (up to ``STEP_PREFILL_TOKENS``) is that step too: a row per prompt
-token, each with its sequence's block table and its own length, the head on the last tokens.
+kernels gone. A short prefill (up to ``STEP_PREFILL_TOKENS`` tokens and ``STEP_PREFILL_KEYS``
+keys read) is that step too: a row per prompt token, each with its sequence's block table and
+its own length, the head on the last tokens.
 
 On CUDA the whole step is compiled with ``mode="reduce-overhead"``: each step is replayed as a
 CUDA graph (one launch instead of hundreds), one graph per bucket of rows and table width, the
@@ -77,13 +78,16 @@ from minillm.model.quant import ends_arguments, layer_arguments, layer_matrices,
 
 CUDA_ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
-# A prefill of up to this many tokens runs as the one-call step on the packed path (a row per
-# token). Measured on the course machine (SmolLM2, the first token of one prompt, best of 3),
-# against the layer-by-layer prefill: 24 tokens 54 vs 72 ms, 48 tokens 111 vs 127, 64 tokens 150
-# vs 178, 128 tokens 356 vs 386, 256 tokens 473 vs 564; 512 tokens 925 vs 936 (another run):
-# each row attends on its own (no key is shared across the prompt's rows, as flash attention
-# shares them), which catches up with long prompts.
+# A prefill of up to this many tokens, whose rows read up to this many keys in all (row t of a
+# sequence reads its position + 1), runs as the one-call step on the packed path (a row per
+# token). Each row reads its own keys, where flash attention shares a key among a block of rows,
+# so the keys read bound it, not only the tokens. Measured on the course machine (SmolLM2, best
+# of 3) against the layer-by-layer prefill: a fresh prompt of 24 tokens 54 vs 72 ms, 64 tokens
+# 150 vs 178, 256 tokens (32,896 keys) 473 vs 564, 512 tokens (131,328 keys) 925 vs 936; a
+# 64-token chunk after 1,024 cached tokens (67,616 keys) 198 vs 212 ms, 32 after 2,048 (66,064)
+# 131 vs 149; 64 after 4,000 (258,080) 403 vs 394; 128 after 2,048 (270,400) 467 vs 414.
 STEP_PREFILL_TOKENS = 256
+STEP_PREFILL_KEYS = 131_072
 
 
 _EPS = operator.attrgetter("eps")
@@ -509,18 +513,22 @@ class ModelRunner:
         lengths = [len(tokens) for tokens in token_lists]
         if self.trace is not None:
             self.trace.append(("prefill", len(seq_ids)))
+        keys = sum(n * self.cache.lengths[seq_id] + n * (n + 1) // 2 for seq_id, n in zip(seq_ids, lengths))
         batch = self.cache.batch(seq_ids, lengths)
         flat = torch.tensor([[t for tokens in token_lists for t in tokens]], device=self.model.device)
-        if self._prefill_as_step(flat.shape[1]):
+        if self._prefill_as_step(flat.shape[1], keys):
             return self._prefill_step(flat[0], batch, lengths)
         positions = batch.positions(flat.shape[1])
         logits = self.model.run(flat, positions, None, batch, logits_index=batch.logits_index)
         return logits[0]
 
-    def _prefill_as_step(self, tokens: int) -> bool:
-        """Whether a prefill of ``tokens`` runs as the one-call decode step (``_prefill_step``): on
-        the packed whole-step path, for up to ``STEP_PREFILL_TOKENS`` tokens."""
-        if tokens > STEP_PREFILL_TOKENS or not isinstance(self.regions, KernelLayers) or not self.regions.whole_step:
+    def _prefill_as_step(self, tokens: int, keys: int) -> bool:
+        """Whether a prefill of ``tokens`` whose rows read ``keys`` keys in all runs as the one-call
+        decode step (``_prefill_step``): on the packed whole-step path, within ``STEP_PREFILL_TOKENS``
+        and ``STEP_PREFILL_KEYS``."""
+        if tokens > STEP_PREFILL_TOKENS or keys > STEP_PREFILL_KEYS:
+            return False
+        if not isinstance(self.regions, KernelLayers) or not self.regions.whole_step:
             return False
         self._plan_again_if_changed()
         return isinstance(self.regions, KernelLayers) and self.regions.whole_step
