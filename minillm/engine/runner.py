@@ -509,7 +509,8 @@ class ModelRunner:
     @torch.inference_mode()
     def prefill(self, seq_ids: Sequence[int], token_lists: Sequence[Sequence[int]]) -> torch.Tensor:
         """Write the tokens of each sequence (already holding room for them) into the cache in one
-        packed forward; return the logits at each one's last token, [len(seq_ids), vocab]."""
+        packed forward (a short one, on the packed path, as the decode step: ``_prefill_step``);
+        return the logits at each one's last token, [len(seq_ids), vocab]."""
         lengths = [len(tokens) for tokens in token_lists]
         if self.trace is not None:
             self.trace.append(("prefill", len(seq_ids)))
