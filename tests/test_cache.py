@@ -1,5 +1,5 @@
-"""KV caches: paged attention against plain attention, the block allocator's bookkeeping
-(hypothesis stateful testing), copy-on-write, running out of blocks, and the memory formula."""
+"""KV caches: paged attention against plain attention, copy-on-write of the pools, running out
+of blocks, and the memory formula (the bookkeeping alone: ``test_block_manager.py``)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
 from minillm.cache import (
-    BlockAllocator,
     ContiguousKVCache,
     OutOfBlocksError,
     PagedKVCache,
@@ -78,79 +76,6 @@ def test_paged_prefill_equals_contiguous_cache_bit_for_bit():
     assert torch.equal(ck, pk) and torch.equal(cv, pv)
 
 
-class AllocatorMachine(RuleBasedStateMachine):
-    """Random add / append / fork / free sequences on a small pool: no block leaks, none is
-    freed twice, reference counts always equal the number of block tables holding a block."""
-
-    sequences = Bundle("sequences")
-
-    def __init__(self):
-        super().__init__()
-        self.cache = PagedKVCache(TINY, num_blocks=12, block_size=3)
-        self.next_id = 0
-
-    @rule(target=sequences)
-    def add(self):
-        seq = self.next_id
-        self.next_id += 1
-        self.cache.add_sequence(seq)
-        return seq
-
-    @rule(seq=sequences, n=st.integers(1, 7))
-    def append(self, seq, n):
-        if seq not in self.cache.lengths:
-            return
-        free_before = self.cache.allocator.num_free
-        tables_before = {s: list(t) for s, t in self.cache.block_tables.items()}
-        try:
-            batch = self.cache.prepare([seq], n)
-        except OutOfBlocksError:
-            assert self.cache.allocator.num_free == free_before  # nothing changed
-            assert self.cache.block_tables == tables_before
-            return
-        batch.advance(n)
-
-    @rule(parent=sequences, target=sequences)
-    def fork(self, parent):
-        if parent not in self.cache.lengths:
-            return self.add()
-        child = self.next_id
-        self.next_id += 1
-        self.cache.fork(parent, child)
-        return child
-
-    @rule(seq=consumes(sequences))
-    def free(self, seq):
-        if seq in self.cache.lengths:
-            self.cache.free_sequence(seq)
-
-    @invariant()
-    def reference_counts_match_block_tables(self):
-        holders = [0] * self.cache.allocator.num_blocks
-        for table in self.cache.block_tables.values():
-            for block in table:
-                holders[block] += 1
-        assert holders == self.cache.allocator.ref_counts
-        free = self.cache.allocator._free
-        assert len(set(free)) == len(free)  # no block freed twice
-        assert all(holders[b] == 0 for b in free)
-        assert len(free) + sum(1 for h in holders if h > 0) == self.cache.allocator.num_blocks  # no leak
-
-    @invariant()
-    def tables_cover_lengths(self):
-        for seq, table in self.cache.block_tables.items():
-            assert len(table) == math.ceil(self.cache.lengths[seq] / self.cache.block_size)
-
-    def teardown(self):
-        for seq in list(self.cache.block_tables):
-            self.cache.free_sequence(seq)
-        assert self.cache.allocator.num_free == self.cache.allocator.num_blocks
-
-
-TestAllocatorMachine = AllocatorMachine.TestCase
-TestAllocatorMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
-
-
 def test_fork_shares_blocks_and_copy_on_write_keeps_the_parent_intact():
     cache = PagedKVCache(TINY, num_blocks=6, block_size=4)
     cache.add_sequence(0)
@@ -185,14 +110,6 @@ def test_running_out_of_blocks_raises_and_leaves_the_pool_reusable():
     cache.free_sequence(0)
     cache.prepare([1], 16).advance(16)  # the freed blocks are reused
     assert cache.allocator.num_free == 0
-
-
-def test_allocator_refuses_double_free():
-    allocator = BlockAllocator(2)
-    block = allocator.allocate()
-    allocator.free(block)
-    with pytest.raises(ValueError, match="double free"):
-        allocator.free(block)
 
 
 def test_contiguous_cache_refuses_to_overflow():

@@ -1,8 +1,7 @@
-"""Automatic prefix caching: full KV blocks keyed by a hash chain, reused by later prompts that
-share the prefix, kept after release until the pool needs the room.
+"""Automatic prefix caching in the engine: full KV blocks keyed by a hash chain, reused by later
+prompts that share the prefix, kept after release until the pool needs the room.
 
-The bookkeeping is tested without tensors (random operation streams, invariants that must hold
-after every step); the engine is tested on a tiny random model in float64, where a reused block
+The bookkeeping alone is tested in ``test_block_manager.py``; here the engine is tested on a tiny random model in float64, where a reused block
 and a freshly computed one agree to ~1e-12, so a wrong block (another prefix, a stale or
 evicted one) would show as a difference of order 1.
 """
@@ -15,104 +14,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import minillm
-from minillm.cache import BlockManager
 from minillm.engine import engine as engine_module
 from minillm.engine.beam import BeamSearch
 from minillm.sampling import SamplingParams
 
 from test_model_units import _tiny_hf_checkpoint, tiny_tokenizer  # noqa: F401  (a fixture)
-
-
-def _invariants(m: BlockManager, tokens: dict[int, list[int]]) -> None:
-    a = m.allocator
-    held = {b for b in range(a.num_blocks) if a.ref_counts[b] > 0}
-    assert a.num_free + len(held) == a.num_blocks
-    assert all(a.ref_counts[b] == 0 and b in a.key_of for b in a.evictable)
-    assert all(a.ref_counts[b] == 0 and b not in a.key_of for b in a._free)
-    assert {k: b for b, k in a.key_of.items()} == a.block_of
-    counts = [0] * a.num_blocks
-    for seq, table in m.block_tables.items():
-        for b in table:
-            counts[b] += 1
-        # every key a sequence holds names its own prefix, block for block
-        assert m.keys[seq] == m.prefix_keys(tokens[seq])[: len(m.keys[seq])]
-        for b, key in zip(table, m.keys[seq]):
-            assert a.key_of.get(b, key) == key
-    assert counts == a.ref_counts
-
-
-prompts = st.lists(st.sampled_from([1, 2, 3]), min_size=1, max_size=14)
-
-
-@settings(max_examples=150, deadline=None)
-@given(ops=st.lists(st.tuples(st.sampled_from(["add", "grow", "free"]), prompts, st.integers(0, 7)), max_size=40),
-       num_blocks=st.integers(2, 12), block_size=st.integers(1, 4))
-def test_the_prefix_cache_bookkeeping_never_leaks_or_mixes_prefixes(ops, num_blocks, block_size):
-    m = BlockManager(num_blocks, block_size, prefix_caching=True)
-    tokens: dict[int, list[int]] = {}
-    next_id = 0
-    for op, prompt, n in ops:
-        if op == "add":
-            seq = next_id
-            next_id += 1
-            cached = m.add_sequence(seq, prompt)
-            tokens[seq] = list(prompt)
-            assert 0 <= cached < len(prompt) and m.lengths[seq] == cached
-            assert len(m.block_tables[seq]) * block_size >= cached
-            if not m.can_reserve([seq], [len(prompt) - cached]):
-                m.free_sequence(seq)
-                del tokens[seq]
-            else:
-                m.reserve([seq], [len(prompt) - cached])
-                m.advance([seq], [len(prompt) - cached])
-                m.cache_full_blocks(seq, tokens[seq])
-        elif op == "grow" and tokens:
-            seq = sorted(tokens)[n % len(tokens)]
-            if m.can_reserve([seq], [1]):
-                m.reserve([seq], [1])
-                m.advance([seq], [1])
-                tokens[seq].append(prompt[0])
-                m.cache_full_blocks(seq, tokens[seq])
-        elif op == "free" and tokens:
-            seq = sorted(tokens)[n % len(tokens)]
-            m.free_sequence(seq)
-            del tokens[seq]
-        _invariants(m, tokens)
-    for seq in list(tokens):
-        m.free_sequence(seq)
-    assert m.allocator.num_free == num_blocks
-
-
-def test_a_prompt_reuses_the_blocks_of_its_cached_prefix_and_computes_at_least_one_token():
-    m = BlockManager(8, 4, prefix_caching=True)
-    first = [5, 6, 7, 8, 9, 10, 11, 12, 13]
-    assert m.add_sequence(0, first) == 0
-    m.reserve([0], [9])
-    m.advance([0], [9])
-    m.cache_full_blocks(0, first)
-    assert len(m.keys[0]) == 2  # two full blocks keyed, the partial third is not
-    assert m.add_sequence(1, first[:8] + [99]) == 8  # both full blocks reused, shared
-    assert m.block_tables[1] == m.block_tables[0][:2] and m.allocator.ref_counts[m.block_tables[0][0]] == 2
-    assert m.add_sequence(2, [5, 6, 7, 0]) == 0  # a different first block: nothing in common
-    m.free_sequence(0)
-    m.free_sequence(1)
-    assert m.allocator.num_free == 8 and len(m.allocator.evictable) == 2  # freed, still findable
-    assert m.add_sequence(3, first[:8]) == 7  # a full hit: the last token is computed again
-
-
-def test_cached_blocks_are_evicted_least_recently_freed_first_when_the_pool_needs_them():
-    m = BlockManager(3, 2, prefix_caching=True)
-    for seq, prompt in enumerate([[1, 1], [2, 2], [3, 3]]):
-        m.add_sequence(seq, prompt)
-        m.reserve([seq], [2])
-        m.advance([seq], [2])
-        m.cache_full_blocks(seq, prompt)
-    for seq in (1, 0, 2):
-        m.free_sequence(seq)
-    assert m.allocator.num_free == 3
-    m.add_sequence(9, [])
-    m.reserve([9], [2])  # takes the block of [2, 2], freed first
-    assert m.add_sequence(10, [2, 2, 5]) == 0 and m.add_sequence(11, [1, 1, 5]) == 2
 
 
 @pytest.fixture(scope="module")
@@ -272,7 +178,7 @@ def _consistent(engine: minillm.Engine) -> None:
     assert counts == a.ref_counts
     assert {k: b for b, k in a.key_of.items()} == a.block_of
     assert all(a.ref_counts[b] == 0 and b in a.key_of for b in a.evictable)
-    assert all(a.ref_counts[b] == 0 and b not in a.key_of for b in a._free)
+    assert all(a.ref_counts[b] == 0 and b not in a.key_of for b in a.free_list)
     assert a.num_free + sum(1 for c in counts if c) == a.num_blocks
     rows = sum(len(u.beams) if isinstance(u, BeamSearch) else 1 for u in engine.running)
     assert rows <= engine.max_batch_size or len(engine.running) == 1

@@ -35,7 +35,3 @@ class KVCache(Protocol):
     def advance(self, q_len: int) -> None:
         """Called once per forward, after the last layer: the new tokens are now cached."""
         ...
-
-
-class OutOfBlocksError(RuntimeError):
-    """The paged KV cache has no free block left for a step (the pool is left unchanged)."""

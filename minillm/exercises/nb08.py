@@ -305,16 +305,16 @@ class _OnThePackage:
 
 class _FifoAllocator(BlockAllocator):
     def allocate(self) -> int:
-        if not self._free:
+        if not self.free_list:
             raise OutOfBlocksError("no free block")
-        block = self._free.pop(0)
+        block = self.free_list.pop(0)
         self.ref_counts[block] = 1
         return block
 
 
 class _PopsAnEmptyList(BlockAllocator):
     def allocate(self) -> int:
-        block = self._free.pop()
+        block = self.free_list.pop()
         self.ref_counts[block] = 1
         return block
 
@@ -324,7 +324,7 @@ class _FreeAlwaysReturns(BlockAllocator):
         if self.ref_counts[block] == 0:
             raise ValueError(f"block {block} is already free")
         self.ref_counts[block] -= 1
-        self._free.append(block)
+        self.free_list.append(block)
 
 
 class _FreeForgetsTheOthers(BlockAllocator):
@@ -332,14 +332,14 @@ class _FreeForgetsTheOthers(BlockAllocator):
         if self.ref_counts[block] == 0:
             raise ValueError(f"block {block} is already free")
         self.ref_counts[block] = 0
-        self._free.append(block)
+        self.free_list.append(block)
 
 
 class _DoubleFreeAccepted(BlockAllocator):
     def free(self, block: int) -> None:
         self.ref_counts[block] -= 1
         if self.ref_counts[block] == 0:
-            self._free.append(block)
+            self.free_list.append(block)
 
 
 class _AllocatesOnDemand(_OnThePackage):
