@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import torch
 
-from minillm.cache.memory import memory_budget
-from minillm.model.attention import build_mask
-from minillm.model.config import ModelConfig
+from minillm.cache.base import build_mask
+from minillm.cache.memory import ModelShape, memory_budget
 
 
 class ContiguousKVCache:
     def __init__(
         self,
-        config: ModelConfig,
+        config: ModelShape,
         batch_size: int,
         max_len: int,
         device: torch.device | str = "cpu",
@@ -61,6 +60,9 @@ class ContiguousKVCache:
         return build_mask(attention_mask, q_len, self.length + q_len, self.k[0].device)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if k.dtype != self.k[layer].dtype:
+            raise TypeError(f"the KV cache holds {self.k[layer].dtype} but the model computes in {k.dtype}: "
+                            "build the cache with the model's dtype")
         end = self.length + k.shape[2]
         self.k[layer][:, :, self.length : end] = k
         self.v[layer][:, :, self.length : end] = v

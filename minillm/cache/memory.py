@@ -12,22 +12,34 @@ query attention is why it is not 3x that: 3 KV heads serve 9 query heads.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from minillm.model.config import ModelConfig
+from minillm.cache.base import KVShape
+
+
+class ModelShape(KVShape, Protocol):
+    """The sizes a parameter count needs (a ``ModelConfig`` has them all)."""
+
+    vocab_size: int
+    hidden_size: int
+    n_heads: int
+    intermediate_size: int
+    attention_bias: bool
+    tie_word_embeddings: bool
 
 
 def bytes_per_element(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype = torch.float32) -> int:
+def kv_bytes_per_token(config: KVShape, dtype: torch.dtype = torch.float32) -> int:
     """Bytes of K and V that one token occupies across all layers."""
     return 2 * config.n_layers * config.n_kv_heads * config.head_dim * bytes_per_element(dtype)
 
 
-def parameter_count(config: ModelConfig) -> int:
+def parameter_count(config: ModelShape) -> int:
     """Parameters of a Llama-family model with this config (tied embeddings counted once)."""
     d, kv = config.hidden_size, config.n_kv_heads * config.head_dim
     q = config.n_heads * config.head_dim
@@ -58,7 +70,7 @@ class MemoryBudget:
         )
 
 
-def memory_budget(config: ModelConfig, batch_size: int, seq_len: int, dtype: torch.dtype = torch.float32) -> MemoryBudget:
+def memory_budget(config: ModelShape, batch_size: int, seq_len: int, dtype: torch.dtype = torch.float32) -> MemoryBudget:
     per_token = kv_bytes_per_token(config, dtype)
     return MemoryBudget(
         weights=parameter_count(config) * bytes_per_element(dtype),

@@ -1,8 +1,13 @@
 """The engine: requests, continuous batching on the paged KV cache, beam search, stop rules,
-all run by one compiled decode step (``ModelRunner``)."""
+every step planned by the scheduler and run by the model runner on one backend."""
 
-from minillm.engine.engine import Engine, prefill_chunk_sizes
-from minillm.engine.request import Completion, StopStringFilter
-from minillm.engine.runner import ModelRunner
+from minillm.lazy import lazy_exports
 
-__all__ = ["Completion", "Engine", "ModelRunner", "StopStringFilter", "prefill_chunk_sizes"]
+__getattr__, __dir__ = lazy_exports(__name__, {
+    "Completion": "request",
+    "Engine": "engine",
+    "ModelRunner": "runner",
+    "StopStringFilter": "request",
+    "prefill_chunk_sizes": "engine",
+})
+__all__ = __dir__()

@@ -113,7 +113,9 @@ class Engine:
         kv_cache_tokens: size of the block pool, in tokens (default: 1024 per batch row).
         block_size: tokens per KV block.
         eos_ids: ids that end a completion (default: the tokenizer's EOS).
-        compile: compile the decode step (default: when this machine can).
+        backend: how steps run — "eager" (the notebooks' PyTorch), "compiled" (``torch.compile``)
+            or "packed-cpu" (C++ kernels, for packed weights on a CPU); None (the default) picks
+            the fastest that applies. ``engine.backend`` names the one that runs.
         prefix_caching: reuse the KV blocks of earlier prompts that share a prefix with a new
             one (a system prompt, a conversation so far) instead of computing them again. Off by
             default: a reused block was computed in another packing of the step, so its float
@@ -133,7 +135,7 @@ class Engine:
         kv_cache_tokens: int | None = None,
         block_size: int = 16,
         eos_ids: Sequence[int] | None = None,
-        compile: bool | None = None,
+        backend: str | None = None,
         prefix_caching: bool = False,
         prefill_chunk_tokens: int | None = None,
     ) -> None:
@@ -157,7 +159,7 @@ class Engine:
                 * model.config.head_dim * model.dtype.itemsize / 2**30
             raise ValueError(f"a KV cache of {tokens:,} tokens (kv_cache_tokens) needs {gib:,.1f} GiB on "
                              f"{model.device}, which could not be allocated: ask for fewer tokens") from err
-        self.runner = ModelRunner(model, self.cache, compile)
+        self.runner = ModelRunner(model, self.cache, backend)
         default_eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
         self.eos_ids = frozenset(eos_ids if eos_ids is not None else default_eos)
         self._next_seq_id = 0
@@ -167,6 +169,11 @@ class Engine:
         self.preemptions = 0  # requests sent back to the queue because the pool ran out
         self.prompt_tokens = 0  # prompt tokens admitted (recomputed ones of preempted requests too)
         self.cached_prompt_tokens = 0  # of those, found in the prefix cache instead of computed
+
+    @property
+    def backend(self) -> str:
+        """The backend that runs this engine's steps: "eager", "compiled" or "packed-cpu"."""
+        return self.runner.backend.name
 
     @property
     def manager(self) -> BlockManager:

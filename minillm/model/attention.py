@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from minillm.cache.base import build_mask
 from minillm.model import kernels
 from minillm.model.config import ModelConfig
 from minillm.model.layers import Linear, linears
@@ -24,23 +25,7 @@ from minillm.model.rope import apply_rope
 
 if TYPE_CHECKING:
     from minillm.cache.base import KVCache
-
-
-def build_mask(attention_mask: torch.Tensor | None, q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
-    """Boolean [batch or 1, 1, q_len, k_len] mask, True where a query may attend to a key.
-
-    Causal: the queries are the *last* ``q_len`` of ``k_len`` positions, and each sees the keys
-    up to itself. Padding: keys whose ``attention_mask`` is 0 are hidden from every query. A
-    query row that would see nothing at all (a left-pad slot) is allowed to see everything
-    instead, which keeps its (ignored) output finite rather than NaN.
-    """
-    q_pos = torch.arange(k_len - q_len, k_len, device=device)[:, None]
-    k_pos = torch.arange(k_len, device=device)[None, :]
-    mask = (k_pos <= q_pos)[None, None]
-    if attention_mask is not None:
-        mask = mask & attention_mask[:, None, None, -k_len:].bool()
-        mask = mask | ~mask.any(dim=-1, keepdim=True)
-    return mask
+    from minillm.cache.paged import PagedStep
 
 
 def repeat_kv(x: torch.Tensor, n_groups: int) -> torch.Tensor:
@@ -91,13 +76,16 @@ class Attention(torch.nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor | None,
+        mask: torch.Tensor | None = None,
         cache: KVCache | None = None,
+        paged: PagedStep | None = None,
         layer_idx: int | None = None,
     ) -> torch.Tensor:
         """``x`` [batch, seq, hidden] -> [batch, seq, hidden]. With a ``cache``, the new keys and
-        values are stored and attention runs over everything stored so far; ``layer_idx`` says
-        which of the cache's layers they are (default: this module's own index)."""
+        values are stored and attention runs over everything stored so far, under ``mask``; with a
+        ``paged`` step, they are written to the step's pools and each row attends through its
+        block table. ``layer_idx`` says which of the cache's (or step's) layers they are (default:
+        this module's own index)."""
         layer = self.layer_idx if layer_idx is None else layer_idx
         batch, seq, _ = x.shape
         q, k, v = linears(x, (self.q_proj, self.k_proj, self.v_proj))
@@ -105,17 +93,50 @@ class Attention(torch.nn.Module):
         k = k.view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if getattr(cache, "reads_in_place", False):  # the paged step: it attends through its block tables
-            out = cache.attend(layer, q, k, v)
-            return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
-        if cache is not None:
-            k, v = cache.update(layer, k, v)
-        if self.use_sdpa:
-            out = attention_sdpa(q, k, v, mask)
+        if paged is not None:
+            out = paged_attention(q, k, v, paged, layer)
         else:
-            n_groups = self.n_heads // self.n_kv_heads
-            out = attention_explicit(q, repeat_kv(k, n_groups), repeat_kv(v, n_groups), mask)
+            if cache is not None:
+                k, v = cache.update(layer, k, v)
+            if self.use_sdpa:
+                out = attention_sdpa(q, k, v, mask)
+            else:
+                n_groups = self.n_heads // self.n_kv_heads
+                out = attention_explicit(q, repeat_kv(k, n_groups), repeat_kv(v, n_groups), mask)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+def write_kv(step: PagedStep, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Store the step's new keys and values [batch, n_kv_heads, seq, head_dim] of ``layer`` in
+    their slots of the pools (``step.write_blocks``, ``step.write_offsets``)."""
+    n_kv_heads, head_dim = k.shape[1], k.shape[3]
+    for pool, new in ((step.k_pools[layer], k), (step.v_pools[layer], v)):
+        pool[step.write_blocks, :, step.write_offsets] = new.transpose(1, 2).reshape(-1, n_kv_heads, head_dim)
+
+
+def gather_kv(pool: torch.Tensor, step: PagedStep) -> torch.Tensor:
+    """Every row's keys (or values) copied out of ``pool`` into a dense [rows, n_kv_heads, keys,
+    head_dim] tensor: the simple way to read a paged cache (notebook 08), not the engine's."""
+    blocks = pool[step.block_tables]  # [rows, width, n_kv_heads, block_size, head_dim]
+    rows, width, n_kv_heads, block_size, head_dim = blocks.shape
+    flat = blocks.transpose(1, 2).reshape(rows, n_kv_heads, width * block_size, head_dim)
+    return flat[:, :, : int(step.context_lens.max())]
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: PagedStep, layer: int) -> torch.Tensor:
+    """Store the new ``k``, ``v`` of ``layer`` and return attention [batch, n_heads, seq, head_dim]
+    of the queries ``q`` over each row's keys, read from the pools through the block tables."""
+    batch, n_heads, seq, head_dim = q.shape
+    write_kv(step, layer, k, v)
+    k_pool, v_pool = step.k_pools[layer], step.v_pools[layer]
+    flat_q = q.transpose(1, 2).reshape(-1, n_heads, head_dim)
+    if step.is_decode:
+        out = paged_decode_attention(flat_q, k_pool, v_pool, step.block_tables, step.context_lens)
+    else:
+        assert step.q_lens is not None
+        out = paged_prefill_attention(flat_q, k, v, k_pool, v_pool, step.block_tables, step.q_lens,
+                                      step.context_lens.tolist())
+    return out.view(batch, seq, n_heads, head_dim).transpose(1, 2)
 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,

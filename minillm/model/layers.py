@@ -10,53 +10,28 @@ import torch.nn.functional as F
 from minillm.model import kernels
 
 
-_ONEDNN = torch.backends.mkldnn.is_available()
-
-
-@torch.library.custom_op("minillm::small_batch_linear", mutates_args=())
-def small_batch_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` for a few rows on the CPU through oneDNN's matmul (``F.linear``'s MKL
-    path is 2-3x slower at 2-16 rows). A custom op, so the compiler calls it as it is."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
-
-
-@small_batch_linear.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape[0], weight.shape[0])
+# At most this many rows go through the hand-written float32 kernel (a decode step's rows);
+# more (a prefill) are a matrix-matrix product, which MKL already runs at full speed.
+FEW_ROWS = 32
 
 
 class Linear(torch.nn.Linear):
-    """``torch.nn.Linear``, plus faster products for decode steps when compiled on a CPU.
+    """``torch.nn.Linear``, with the products of a few rows on a CPU through a kernel made for them.
 
     Decoding one token multiplies one row vector by every weight matrix: a matrix-vector
     product (GEMV), whose cost is reading the weights from memory once. MKL's one-row product
-    runs on one core and streams ~12 GB/s on the course machine, a third of what the memory
-    delivers. Written as ``(weight * x).sum(-1)``, the same product becomes a reduction that
-    ``torch.compile`` turns into one vectorized pass over the weights on every core, without
-    ever materializing ``weight * x``. Run eagerly, that form *would* materialize it, so the
-    rewrite applies only while compiling.
-
-    A batched decode step multiplies a handful of rows (2-16), where MKL's matrix product
-    reads the weights at only 5-19 GB/s here (6 GB/s for the 49152-row LM head) and took three
-    quarters of a batch-8 step. oneDNN's matmul (``small_batch_linear``) reads them 1.4-2.3x
-    faster (the batch-8 step: 88 -> 62 ms); the hand-written ``kernels.f32_linear``, which reads
-    each weight once for all the rows while it is in registers, is 1.5-2.5x faster again at 8
-    rows (measured: 40-55 ms vs 70-87 ms per batch-8 step, interleaved), so it runs wherever its
-    AVX-512 or AVX2 version is built (``kernels.vectorized()``), oneDNN elsewhere. One row stays the
-    compiled reduction: the kernel was slower there (28-31 vs 20-25 ms per token). Everything
-    else — eager calls, prefill, other devices and dtypes — calls ``F.linear`` as usual.
+    runs on one core and streams a fraction of what the memory delivers, and for a handful of
+    rows (a batched decode step) it still reads the weights at a fraction of the bandwidth. The
+    hand-written ``kernels.f32_linear`` reads each weight once for all the rows while it is in
+    registers, splitting the output rows over the cores, so it runs wherever its AVX-512 or
+    AVX2 version is built (``kernels.vectorized()``) for up to ``FEW_ROWS`` float32 rows — eager
+    or compiled alike, the same numbers either way. Everything else calls ``F.linear``.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling() and x.device.type == "cpu" and x.shape[:-1].numel() == 1:
-            y = (self.weight * x.reshape(1, -1)).sum(-1)
-            if self.bias is not None:
-                y = y + self.bias
-            return y.view(*x.shape[:-1], -1)
-        few_rows_float32 = torch.compiler.is_compiling() and x.device.type == "cpu" and x.dtype == torch.float32
-        if few_rows_float32 and (kernels.vectorized() or _ONEDNN):
-            rows = x.reshape(-1, x.shape[-1])
-            y = kernels.f32_linear(rows, self.weight) if kernels.vectorized() else small_batch_linear(rows, self.weight)
+        rows = x.shape[:-1].numel()
+        if x.device.type == "cpu" and x.dtype == torch.float32 and rows <= FEW_ROWS and kernels.vectorized():
+            y = kernels.f32_linear(x.reshape(rows, -1).contiguous(), self.weight)
             if self.bias is not None:
                 y = y + self.bias
             return y.view(*x.shape[:-1], -1)
@@ -72,7 +47,7 @@ def linears(x: torch.Tensor, layers: Sequence[torch.nn.Module]) -> list[torch.Te
     all the group's output rows — a decode step makes 30 x 7 products of one row, each paying a
     call and a fork/join of the threads, so 4 calls per layer instead of 7 is worth it there.
     (A decode step of a model whose every matrix is packed goes further: each whole layer is one
-    kernel call, ``quant.decode_layer``.) Any other group is called layer by layer.
+    kernel call: the ``packed-cpu`` backend.) Any other group is called layer by layer.
     """
     kind = type(layers[0])
     if hasattr(kind, "many") and all(type(layer) is kind for layer in layers):

@@ -11,14 +11,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from minillm.model.attention import Attention, build_mask
+from minillm.cache.base import build_mask
+from minillm.model.attention import Attention
 from minillm.model.config import ModelConfig
 from minillm.model.layers import Linear, RMSNorm, SwiGLU
-from minillm.model.quant import decode_layer, runs_as_one_kernel
 from minillm.model.rope import RotaryEmbedding
 
 if TYPE_CHECKING:
     from minillm.cache.base import KVCache
+    from minillm.cache.paged import PagedStep
 
 
 class Block(torch.nn.Module):
@@ -31,12 +32,10 @@ class Block(torch.nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
-                cache: KVCache | None = None, layer_idx: int | None = None) -> torch.Tensor:
-        layer = self.self_attn.layer_idx if layer_idx is None else layer_idx
-        if runs_as_one_kernel(self, x, cache, layer):  # packed weights, a decode step on the CPU: one C++ call
-            return decode_layer(self, x, cos, sin, cache, layer)
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer_idx)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None,
+                cache: KVCache | None = None, paged: PagedStep | None = None,
+                layer_idx: int | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, paged, layer_idx)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -83,17 +82,29 @@ class Transformer(torch.nn.Module):
         attention_mask: torch.Tensor | None = None,
         cache: KVCache | None = None,
         last_only: bool = False,
+        paged: PagedStep | None = None,
     ) -> torch.Tensor:
         """Logits [batch, seq, vocab] for ``input_ids`` [batch, seq].
 
         ``attention_mask`` (1 = real token, 0 = padding) lets a left-padded batch give each row
         the logits it would get alone; positions then count real tokens only. With a ``cache``
         the ids are only the *new* tokens: keys and values of earlier ones come from the cache
-        (and ``attention_mask``, if any, covers earlier and new tokens). ``last_only`` computes
+        (and ``attention_mask``, if any, covers earlier and new tokens). With a ``paged`` step
+        (``PagedKVCache.prepare``), the ids are the step's new tokens, ``[rows, 1]`` or
+        ``[1, tokens]``: their positions and slots come from the step. ``last_only`` computes
         the logits of the last position only — all that generation needs.
         """
         input_ids = self._check_input_ids(input_ids)
         batch, seq = input_ids.shape
+        if paged is not None:
+            if cache is not None or attention_mask is not None or position_ids is not None:
+                raise ValueError("a paged step brings its own positions and holds unpadded sequences: "
+                                 "pass no cache, attention_mask or position_ids with it")
+            if input_ids.numel() != paged.positions.numel():
+                raise ValueError(f"the paged step plans {paged.positions.numel()} new tokens, got input_ids "
+                                 f"{list(input_ids.shape)}")
+            self._check_pool_dtype(paged.k_pools[0].dtype)
+            return self.run(input_ids, paged.positions.view(batch, seq), paged=paged, last_only=last_only)
         past = cache.past_length if cache is not None else 0
         if attention_mask is not None:
             attention_mask = self._check_mask(attention_mask, batch, past + seq)
@@ -106,30 +117,25 @@ class Transformer(torch.nn.Module):
                 position_ids = torch.arange(seq, device=input_ids.device).expand(batch, seq)
         else:
             position_ids = self._check_positions(position_ids, input_ids.shape)
-        if cache is not None:
-            self._check_cache_dtype(cache)
         position_ids = position_ids.to(self.device)
         if int(position_ids.max()) >= self.config.max_position_embeddings:
             raise ValueError(
                 f"position {int(position_ids.max())} is past the context window of "
                 f"{self.config.max_position_embeddings} tokens"
             )
-        if getattr(cache, "reads_in_place", False):
-            if attention_mask is not None:
-                raise ValueError("a paged batch holds unpadded sequences: pass no attention_mask")
-            mask = None  # the paged step masks by each row's length and positions itself
-        elif cache is not None:
+        if cache is not None:
             mask = cache.mask(attention_mask, seq)
         else:
             mask = build_mask(attention_mask, seq, seq, input_ids.device)
-        return self.run(input_ids, position_ids, mask, cache, last_only)
+        return self.run(input_ids, position_ids, mask, cache, last_only=last_only)
 
     def run(
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
-        mask: torch.Tensor | None,
+        mask: torch.Tensor | None = None,
         cache: KVCache | None = None,
+        paged: PagedStep | None = None,
         last_only: bool = False,
         logits_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
@@ -144,7 +150,7 @@ class Transformer(torch.nn.Module):
         cos, sin = self.rotary(position_ids, self.dtype)
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
-            x = layer(x, cos, sin, mask, cache)
+            x = layer(x, cos, sin, mask, cache, paged)
         if cache is not None:
             cache.advance(input_ids.shape[1])
         if logits_index is not None:
@@ -201,8 +207,7 @@ class Transformer(torch.nn.Module):
             raise ValueError(f"position_ids must be >= 0, got {int(position_ids.min())}")
         return position_ids
 
-    def _check_cache_dtype(self, cache: KVCache) -> None:
-        pools = getattr(cache, "k", None) or getattr(cache, "k_pools", None)
-        if pools and pools[0].dtype != self.dtype:
-            raise TypeError(f"the KV cache holds {pools[0].dtype} but the model computes in {self.dtype}: "
+    def _check_pool_dtype(self, dtype: torch.dtype) -> None:
+        if dtype != self.dtype:
+            raise TypeError(f"the KV cache holds {dtype} but the model computes in {self.dtype}: "
                             "build the cache with the model's dtype")

@@ -22,12 +22,9 @@ nibble and weight ``j + 16`` in its high nibble. Here a quantized matrix is kept
 once and turns 16 codes into weights per instruction with AVX-512 — a 4-bit block has only 16
 possible weights, ``d * k + m``, computed into one register and *looked up* by the codes — or 8
 per instruction with AVX2 (converted, not looked up), then multiplies in float32, so the float matrix never exists and the result is ``F.linear(x,
-dequantize(W))`` up to float32 rounding. PyTorch's own
-formulation stays as the fallback where the kernel cannot be built: compiled with one row, a
-reduction over the packed integers — ``(q.float() * d * x).sum()`` — that ``torch.compile``
-turns into one loop over the bytes (``_matvec``; notebook 11 measures it compute-bound, slower
-per weight than float32); everything else (prefill, batches, eager calls, other devices)
-dequantizes into a float matrix and calls ``F.linear``.
+dequantize(W))`` up to float32 rounding. Where the kernel cannot be built (no C++ compiler) and
+on other devices, the layer dequantizes into a float matrix and calls ``F.linear``: correct,
+not fast.
 
 ``quantize_model`` with a calibration text (what ``load_model(weights="q8_0" | "q4_0")`` does)
 keeps each matrix's few outlier input channels in float32 beside the blocks
@@ -40,18 +37,13 @@ package), including its rounding: half away from zero for Q8_0, ``trunc(x + 0.5)
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Optional
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from minillm.model import kernels
-from minillm.model.attention import Attention
-from minillm.model.layers import RMSNorm, SwiGLU
-
-if TYPE_CHECKING:
-    from minillm.model.llama import Block, Transformer
 
 BLOCK_SIZE = 32
 FORMATS = ("q8_0", "q4_0", "q4_1")
@@ -274,34 +266,10 @@ class QuantizedLinear(torch.nn.Module):
         self._check_input(x)
         if x.device.type == "cpu" and kernels.available():
             return self._packed(x, [self])[0]
-        if torch.compiler.is_compiling() and x.device.type == "cpu" and x.shape[:-1].numel() == 1:
-            rows = x.reshape(1, -1).float()
-            y = self._add_outliers(rows, self._matvec(rows.view(-1, BLOCK_SIZE))[None]).to(x.dtype)
-            return self._add_bias(y).view(*x.shape[:-1], -1)
         return F.linear(x, self.dequantize(x.dtype), self.bias)
 
     def _add_bias(self, y: torch.Tensor) -> torch.Tensor:
         return y if self.bias is None else y + self.bias
-
-    def _add_outliers(self, rows: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """``y`` (the blocks' product with ``rows`` [n, in]) plus the float columns' share."""
-        if self.outlier_cols is None:
-            return y
-        return torch.addmm(y, rows[:, self.outlier_cols], self.outlier_w)
-
-    def _matvec(self, x: torch.Tensor) -> torch.Tensor:
-        """One row ``x`` [blocks, 32] times the packed matrix: a reduction over (blocks, 32) that the
-        compiler runs as one pass over the packed bytes, each block's scale applied in registers."""
-        d = self.d.float()[..., None]
-        if self.fmt == "q8_0":
-            return (self.qs.float() * (d * x)).sum((-1, -2))
-        low, high = (self.qs & 15).float(), (self.qs >> 4).float()  # weights j and j + 16 of each block
-        x_low, x_high = x[:, :16], x[:, 16:]
-        if self.fmt == "q4_0":
-            return (((low - 8) * x_low + (high - 8) * x_high) * d).sum((-1, -2))
-        # w = d * q + m: the minimums meet each block's sum of x, computed once for every row
-        return ((low * x_low + high * x_high) * d).sum((-1, -2)) + (self.m.float() * x.sum(-1)).sum(-1)
-
 
 class QuantizedEmbedding(torch.nn.Module):
     """A token embedding table in a block format: each looked-up row is dequantized on the fly.
@@ -321,93 +289,6 @@ class QuantizedEmbedding(torch.nn.Module):
         rows = dequantize(t.fmt, t.qs[ids].reshape(-1, *t.qs.shape[1:]), t.d[ids].reshape(-1, t.d.shape[-1]),
                           None if m is None else m.reshape(-1, m.shape[-1]), self.dtype)
         return rows.view(*ids.shape, -1)
-
-
-# --------------------------------------------------------------------------- a whole layer
-# A decode step of a packed model spends most of its time in the products, but on the CPU a
-# fifth of it went to the Python between them (inductor's wrapper calling 9 ops and loops per
-# layer). ``kernels.packed_decoder_layer`` runs the whole layer in one call, with the same
-# product and attention kernels: ``Block.forward`` takes that path when it applies. The engine
-# goes further: ``kernels.packed_layers`` takes every layer (and, where ``packs_ends``, the
-# table, the final norm and the head) once, and runs a whole decode step in one call.
-
-
-def _hooked(module: torch.nn.Module) -> bool:
-    """Whether ``module`` or one inside it has forward hooks, which a C++ kernel would not call."""
-    return any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())
-
-
-def packs_whole_layer(block: Block) -> bool:
-    """Whether ``block`` is a layer ``kernels.packed_decoder_layer`` can run: the standard norms,
-    attention and SwiGLU modules, float32 norms (and biases, if any), every matrix packed, and no
-    forward hooks (the kernel would skip them: a hooked layer runs its modules one by one)."""
-    attn, mlp, norms = block.self_attn, block.mlp, (block.input_layernorm, block.post_attention_layernorm)
-    if type(attn) is not Attention or type(mlp) is not SwiGLU or any(type(norm) is not RMSNorm for norm in norms):
-        return False
-    if _hooked(block):
-        return False
-    return (all(type(layer) is QuantizedLinear and (layer.bias is None or layer.bias.dtype == torch.float32)
-                for layer in layer_matrices(block))
-            and norms[0].eps == norms[1].eps and all(norm.weight.dtype == torch.float32 for norm in norms))
-
-
-def runs_as_one_kernel(block: Block, x: torch.Tensor, cache: Any, layer: int) -> bool:
-    """Whether ``block`` can run this step as one ``kernels.packed_decoder_layer`` call: a decode
-    step (one new token per row) on a paged cache whose pools of ``layer`` are contiguous float32,
-    on the CPU with the vector kernels built, and a layer that ``packs_whole_layer``."""
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 3 and x.shape[1] == 1
-            and getattr(cache, "reads_in_place", False) and cache.is_decode
-            and all(pool[layer].dtype == torch.float32 and pool[layer].is_contiguous()
-                    for pool in (cache.k_pools, cache.v_pools))
-            and kernels.vectorized() and packs_whole_layer(block))
-
-
-def layer_arguments(block: Block) -> tuple:
-    """What ``kernels.packed_decoder_layer`` needs of a layer: the norms' weights and eps, then the
-    seven matrices' blocks, float32 columns and biases, one list each (q, k, v, o, gate, up, down)."""
-    matrices = [(m.qs, m.d, m.m, m.outlier_cols, m.outlier_w, m.bias) for m in layer_matrices(block)]
-    qs, d, m, cols, w_cols, bias = (list(part) for part in zip(*matrices))
-    return (block.input_layernorm.weight, block.post_attention_layernorm.weight, block.input_layernorm.eps,
-            qs, d, m, cols, w_cols, bias)
-
-
-def decode_layer(block: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any,
-                 layer: int) -> torch.Tensor:
-    """``block(x)`` for a decode step, x [rows, 1, hidden], as one kernel call (when
-    ``runs_as_one_kernel``): the new keys and values go into ``cache``'s pools of ``layer``."""
-    rows = x.shape[0]
-    out = kernels.packed_decoder_layer(x.reshape(rows, -1).contiguous(), layer_arguments(block),
-                                       cos.reshape(rows, -1).contiguous(), sin.reshape(rows, -1).contiguous(),
-                                       cache.k_pools[layer], cache.v_pools[layer],
-                                       cache.write_blocks, cache.write_offsets, cache.block_tables, cache.context_lens)
-    return out.view_as(x)
-
-
-def layer_matrices(block: Block) -> tuple[torch.nn.Module, ...]:
-    """A layer's seven matrices, in the order the layer kernel takes them: q, k, v, o, gate, up, down."""
-    attn, mlp = block.self_attn, block.mlp
-    return (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-
-
-def packs_ends(model: Transformer) -> bool:
-    """Whether a model's ends are packed too: the embedding table and the LM head in block formats
-    (the table whole, without float32 columns), the final norm a float32 RMSNorm, none of them
-    with forward hooks. With every layer packed as well, a decode step is one C++ call from token
-    ids to logits (``kernels.packed_layers``, ``ends_arguments``)."""
-    table, norm, head = model.embed_tokens, model.norm, model.lm_head
-    if any(_hooked(module) for module in (table, norm, head)):
-        return False  # (the C++ step would skip the hooks)
-    return (type(table) is QuantizedEmbedding and table.dtype == torch.float32 and table.table.outlier_cols is None
-            and type(norm) is RMSNorm and norm.weight.dtype == torch.float32
-            and type(head) is QuantizedLinear and (head.bias is None or head.bias.dtype == torch.float32))
-
-
-def ends_arguments(model: Transformer) -> tuple:
-    """What ``PackedLayers.set_ends`` needs of a model whose ends ``packs_ends``: the table's blocks,
-    the final norm's weight and eps, the head's blocks, float32 columns and bias."""
-    table, head = model.embed_tokens.table, model.lm_head
-    return (table.qs, table.d, table.m, model.norm.weight, model.norm.eps,
-            head.qs, head.d, head.m, head.outlier_cols, head.outlier_w, head.bias)
 
 
 # --------------------------------------------------------------------------- whole models
