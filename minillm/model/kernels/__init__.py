@@ -8,8 +8,9 @@
 * ``paged_attention.cpp`` runs a decode step's attention through the block tables, reading each
   cached block once where it lies (notebook 10: what it changes at long contexts).
 * ``decoder_layer.cpp`` runs a whole decoder layer of a decode step with packed weights in one
-  call (norms, products, RoPE, the KV write, attention, SwiGLU, residuals): the step of a
-  packed model on the CPU, without ~80 us of Python glue per layer (notebook 11).
+  call (norms, products, RoPE, the KV write, attention, SwiGLU, residuals), and ``PackedLayers``
+  runs every layer, the embedding table and the LM head in one call per step: the step of a
+  packed model on the CPU, without Python glue between the kernels (notebook 11).
 
 They are built into one library the way ``torch.compile`` builds its C++: on this machine, for
 this CPU (``-march=native``), once — the library is kept in ``$MINILLM_CACHE/kernels`` under a
@@ -44,7 +45,7 @@ LINEAR_SOURCE = Path(__file__).with_name("linear.cpp")
 LAYER_SOURCE = Path(__file__).with_name("decoder_layer.cpp")
 SOURCES = (QUANT_SOURCE, ATTENTION_SOURCE, LINEAR_SOURCE, LAYER_SOURCE)
 HEADERS = (Path(__file__).with_name("simd.h"), Path(__file__).with_name("kernels.h"))
-BUILD_SECONDS = 300  # a build is ~25 s on 2 cores; a compiler that hangs must not hang the caller
+BUILD_SECONDS = 300  # a build takes well under a minute; a compiler that hangs must not hang the caller
 
 _loaded: Optional[bool] = None  # None: not tried yet in this process
 _why = ""
@@ -72,8 +73,7 @@ def vectorized() -> bool:
     """Whether the float32 kernels of the decode step (``f32_linear``, ``paged_decode_attention``)
     are the vector versions (AVX-512 or AVX2). Their portable versions are correct but slower than
     PyTorch's own paths, so callers use them only when this is True. (The packed-weight products
-    are called either way; their portable loop ran 10x slower than the AVX2 code on the course
-    machine.)"""
+    are called either way; their portable loop is much slower than the vector code.)"""
     return available() and _vectorized
 
 

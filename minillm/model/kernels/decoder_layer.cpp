@@ -1,11 +1,10 @@
 // A whole decoder layer of a decode step in one call: the packed-weight model's step on the CPU.
 //
-// Why: with packed weights a decode token's products take ~7 ms on the course machine (2 AVX2
-// cores), and the compiled step spent another ~2.4 ms *between* them: per layer, inductor's
-// Python wrapper called 5 ops and 4 fused loops (the norms, RoPE, the KV write, SiLU * up, the
-// residual adds) and looked after ~40 buffers -- about 80 us of Python per layer, a fifth of
-// the token. Here the layer is one call; the small element-wise steps run in C++ between the
-// products, on rows of a few hundred floats that never leave the cache:
+// Why: with packed weights the products are fast, and a compiled step spent a large share of
+// a token *between* them: per layer, inductor's Python wrapper called 5 ops and 4 fused loops
+// (the norms, RoPE, the KV write, SiLU * up, the residual adds) and looked after ~40 buffers.
+// Here the layer is one call; the small element-wise steps run in C++ between the products, on
+// rows of a few hundred floats that never leave the cache:
 //
 //   xn  = norm1(x)
 //   q, k, v = xn @ Wq, xn @ Wk, xn @ Wv            (one parallel pass over the three matrices)
@@ -327,9 +326,8 @@ at::Tensor packed_decoder_layer(const at::Tensor& x, const at::Tensor& input_nor
 }
 
 // Every decoder layer of a packed model, for one call per decode step (the engine's CPU step,
-// minillm.engine.runner.KernelLayers): a step of 30 layers through packed_decoder_layer cost
-// ~25 us of Python and dispatch per call beyond the kernel's own ~180 us -- the op converts 42
-// tensors in six lists, checks them and allocates 10 intermediates each time. Here the layers'
+// minillm.engine.runner.KernelLayers): each call of packed_decoder_layer converts 42 tensors
+// in six lists, checks them and allocates 10 intermediates, once per layer per step. Here the layers'
 // tensors are handed over once, at construction; a step checks its own tensors and every
 // layer's pools, then runs the layers back to back in one scratch buffer.
 //

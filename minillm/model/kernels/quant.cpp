@@ -2,9 +2,9 @@
 //
 // Why a hand-written kernel: decoding one token reads every weight once, so the bytes per
 // weight set the speed -- but only if turning 4 or 8 bits back into a float costs less than
-// the bytes it saves. PyTorch's compiled reduction over the packed bytes ran at 0.8-0.95x
-// float32's weights per second (notebook 11); here 16 weights are unpacked per instruction
-// (AVX-512) and each unpacked weight serves every input row of the tile.
+// the bytes it saves, which PyTorch's compiled reduction over the packed bytes did not manage
+// (notebook 11); here 16 weights are unpacked per instruction (AVX-512) and each unpacked
+// weight serves every input row of the tile.
 //
 // The arithmetic is float32 throughout (no 8-bit activations, unlike llama.cpp), so the
 // result equals F.linear(x, dequantize(W)) up to float32 rounding:
@@ -43,10 +43,8 @@ using minillm_kernels::to_float;
 enum class Format { q8_0, q4_0, q4_1 };  // the block formats, as template arguments of the kernels
 
 // Input rows up to which the packed product beats "dequantize, then a float matrix product":
-// with more rows each weight is reused enough for MKL's better arithmetic to win. Measured on
-// the course machine (AVX2, SmolLM2's 1536x576 and 576x1536 Q4_1 matrices, three alternating
-// runs): the packed product took 0.6x the time of dequantize-then-multiply at 40 rows, 0.8x at
-// 64, 0.8-0.9x at 80, 0.9-1.05x at 96.
+// with more rows each weight is reused enough for MKL's better arithmetic to win (on SmolLM2's
+// Q4_1 matrices the packed product still wins at 80 rows and draws level near 96).
 constexpr int64_t kPackedRows = 80;
 
 #if defined(MINILLM_AVX512)
@@ -82,10 +80,10 @@ inline void halves_to_floats(const at::Half* p, int64_t n, float* out) {
 //
 // The next tile's rows follow this tile's in memory, O * bytes per block of them: while this
 // tile reads block b, the next tile's bytes at the same distance are requested (prefetch): one
-// cache line per block for 4-bit rows, two for 8-bit ones (asking for only one of the two made
-// 4-row tiles of 8-bit rows run 2x slower than single rows). The rows of a matrix are short (288 bytes for most of SmolLM2's 4-bit
-// rows), too short for the CPU's own prefetcher to run ahead, and every weight comes from
-// memory once per token.
+// cache line per block for 4-bit rows, two for 8-bit ones (asking for only the first of the two
+// leaves the tile waiting on the second). The rows of a matrix are short (288 bytes for most
+// of SmolLM2's 4-bit rows), too short for the CPU's own prefetcher to run ahead, and every
+// weight comes from memory once per token.
 template <Format F, int O, int R>
 void tile(const Matrix& w, const float* x, int64_t in, float* y, int64_t o0) {
   constexpr bool FourBit = F != Format::q8_0;
@@ -205,8 +203,8 @@ inline void halves_to_floats(const at::Half* p, int64_t n, float* out) {
 // As the AVX-512 tile: O output rows times R input rows, each block turned into weights once and
 // used R times, two accumulators per pair (two chains of FMAs instead of one long one), the next
 // tile's bytes prefetched, the scales (and minimums) converted 8 blocks at a time. With 16
-// registers, O shrinks as R grows (``tile_outputs``): a 2 x 4 tile's 16 accumulators spilled to
-// the stack, 20-27 % slower at 4 to 32 rows than 1 x 4 (course machine). An 8-bit block is summed
+// registers, O shrinks as R grows (``tile_outputs``): a 2 x 4 tile's 16 accumulators would take
+// every register and spill to the stack. An 8-bit block is summed
 // as q x first, then scaled by d, for any number of rows: each row's sum then goes in the same
 // order whatever the tile, so a row's result does not depend on the rows sharing its call.
 template <Format F, int O, int R>
