@@ -120,7 +120,7 @@ class Server:
         return JSONResponse({"status": "ok", "model": self.model_id})
 
     async def metrics_text(self) -> PlainTextResponse:
-        return PlainTextResponse(self.metrics.render(self.worker.snapshot), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
     async def chat_page(self) -> HTMLResponse:
         return HTMLResponse(self.page.replace("{{MODEL}}", html.escape(self.model_id)))

@@ -97,7 +97,6 @@ class EngineWorker:
         self.engine = engine
         self.metrics = metrics
         self.warm_up = warm_up
-        self.snapshot = EngineSnapshot()
         self.ready = threading.Event()  # set once the decode step is compiled: /health says "ok"
         self.error: str | None = None  # set if the engine thread itself failed: /health says why
         self._commands: queue.Queue[Command | None] = queue.Queue()  # None: stop
@@ -240,13 +239,14 @@ class EngineWorker:
         job.send(Failed(error))
 
     def _publish(self) -> None:
+        """The engine's state for /metrics: the only place the worker reads the Engine's queues and pool."""
         engine, allocator = self.engine, self.engine.manager.allocator
-        self.snapshot = EngineSnapshot(
+        self.metrics.publish(EngineSnapshot(
             # a request whose prompt is being prefilled in chunks already holds its blocks: running
             running=len(engine.running) + len(engine.prefilling), waiting=len(engine.waiting),
             blocks_free=allocator.num_free, blocks_total=allocator.num_blocks, preemptions=engine.preemptions,
             # prompt tokens found in the prefix cache, of all prompt tokens admitted
             prefix_cache_hits=engine.cached_prompt_tokens,
             prefix_cache_queries=engine.prompt_tokens,
-        )
+        ))
 
