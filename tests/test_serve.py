@@ -376,6 +376,17 @@ def test_an_engine_failure_mid_request_is_a_server_error_and_the_engine_keeps_se
     _assert_still_serving(served)
 
 
+def test_two_servers_in_one_process_count_their_own_metrics(tiny, tiny_folder):
+    served, _ = tiny
+    before = served.wait_until_idle()["minillm_prompt_tokens_total"]
+    model, tok = load_model(tiny_folder, device="cpu")
+    with serving(Engine(model, tok, compile=False, kv_cache_tokens=2048), "other") as other:
+        assert other.metrics()["minillm_prompt_tokens_total"] == 0
+        reply = other.client.completions.create(model="other", prompt="hi", max_tokens=2)
+        assert other.wait_until_idle()["minillm_prompt_tokens_total"] == reply.usage.prompt_tokens
+    assert served.metrics()["minillm_prompt_tokens_total"] == before
+
+
 # Request bodies: a valid one with up to three fields replaced by valid or invalid values.
 # Whatever arrives, the answer is a well-formed response or an OpenAI error (never a 5xx), and
 # the pool is free afterwards.

@@ -1,0 +1,337 @@
+"""The HTTP side: FastAPI routes around one ``EngineWorker``, ``create_app`` and ``run_server``.
+
+A handler reads and validates the body (``protocol``), tokenizes it in a worker thread (a long
+prompt must not stall the other connections), checks that it fits the context, then hands a
+``Job`` to the engine thread and turns the events that come back into OpenAI's JSON: one object,
+or Server-Sent Events with ``stream``. However a response ends (done, the client gone, an
+error), what is left of its job is aborted, so its KV blocks go back to the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import html
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import replace
+from importlib import resources
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import Request as HttpRequest
+
+from minillm.engine import Engine
+from minillm.serve.metrics import Metrics
+from minillm.serve.protocol import (
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
+    MAX_CHOICES,
+    ApiError,
+    ChatCompletionBody,
+    ChatMessage,
+    CompletionBody,
+    GenerationBody,
+    Reply,
+    read_body,
+    refuse_unsupported,
+    sse,
+    token_usage,
+    validation_error,
+)
+from minillm.serve.worker import Delta, EngineWorker, Failed, Finished, Job
+
+
+class _JobStream(StreamingResponse):
+    """A streaming response that aborts its job however the response ends: finished (a no-op),
+    the client gone (Starlette cancels the stream, even before its first chunk), or an error."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+class Server:
+    """The HTTP side: validates requests, tokenizes them, hands jobs to the engine thread and
+    turns the events that come back into OpenAI responses."""
+
+    def __init__(self, engine: Engine, model_id: str, aliases: Sequence[str] = (), warm_up: bool = True) -> None:
+        # Read before the engine thread starts; afterwards only that thread touches the engine.
+        # The tokenizer is shared: encoding here only reads its tables (and its encode cache, a
+        # dict whose single reads and writes are atomic), while the engine thread decodes.
+        self.tokenizer = engine.tokenizer
+        self.context = engine.model.config.max_position_embeddings
+        # The most tokens one sequence can hold: the context, or the whole KV pool if smaller.
+        self.longest = min(self.context, engine.manager.allocator.num_blocks * engine.cache.block_size)
+        self.model_id = model_id
+        self.model_names = {name.lower() for name in (model_id, *aliases, "minillm", "default")}
+        self.metrics = Metrics()
+        self.worker = EngineWorker(engine, self.metrics, warm_up)
+        self.started = int(time.time())
+        self.page = resources.files("minillm").joinpath("chat.html").read_text(encoding="utf-8")
+
+    # -- routes
+    async def chat_completions(self, request: HttpRequest) -> Response:
+        arrival = time.perf_counter()
+        body = ChatCompletionBody.model_validate_json(await read_body(request))
+        self._check(body)
+        prompt_ids = await run_in_threadpool(self._encode_chat, body.messages)
+        requested = body.max_completion_tokens or body.max_tokens
+        max_tokens = requested if requested is not None else self.longest - len(prompt_ids)  # as long as it can
+        self._check_fits(len(prompt_ids), max_tokens, "messages")
+        return await self._generate(request, body, [prompt_ids], max_tokens, arrival, chat=True)
+
+    async def completions(self, request: HttpRequest) -> Response:
+        arrival = time.perf_counter()
+        body = CompletionBody.model_validate_json(await read_body(request))
+        self._check(body)
+        prompts = body.prompts()
+        if not prompts:
+            raise ApiError(400, "prompt: the list of prompts is empty", param="prompt")
+        prompt_ids = await run_in_threadpool(lambda: [self._encode_text(p) for p in prompts])
+        max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
+        for ids in prompt_ids:
+            self._check_fits(len(ids), max_tokens, "prompt")
+        return await self._generate(request, body, prompt_ids, max_tokens, arrival, chat=False)
+
+    async def models(self) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.model_id, "object": "model", "created": self.started, "owned_by": "minillm"}]})
+
+    async def health(self) -> JSONResponse:
+        if self.worker.error is not None:
+            return JSONResponse({"status": "error", "error": self.worker.error}, status_code=503)
+        if not self.worker.ready.is_set():  # compiling the decode step
+            return JSONResponse({"status": "loading", "model": self.model_id}, status_code=503)
+        return JSONResponse({"status": "ok", "model": self.model_id})
+
+    async def metrics_text(self) -> PlainTextResponse:
+        return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    async def chat_page(self) -> HTMLResponse:
+        return HTMLResponse(self.page.replace("{{MODEL}}", html.escape(self.model_id)))
+
+    # -- validation and tokenization
+    def _check(self, body: GenerationBody) -> None:
+        if body.model is not None and body.model.lower() not in self.model_names \
+                and body.model.rsplit("/", 1)[-1].lower() not in self.model_names:
+            raise ApiError(404, f"The model '{body.model}' does not exist: this server serves '{self.model_id}'",
+                           param="model", code="model_not_found")
+        refuse_unsupported(body)
+        if body.stream_options is not None and not body.stream:
+            raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
+
+    def _refuse_by_size(self, text_bytes: int, param: str) -> None:
+        # A token spans at most max_token_bytes bytes, so this many bytes cannot fit the context,
+        # whatever the merges: refuse before spending seconds encoding megabytes (the Engine's rule).
+        at_least = text_bytes // self.tokenizer.max_token_bytes
+        if at_least > self.longest:
+            raise ApiError(400, f"{self._limit()}, and the {param} hold at least {at_least} tokens. Please reduce "
+                                f"the length of the {param}.", param=param, code="context_length_exceeded")
+
+    def _limit(self) -> str:
+        pool = "" if self.longest == self.context else f" (the KV cache's size; the model's context is {self.context})"
+        return f"This model's maximum context length is {self.longest} tokens{pool}"
+
+    def _encode_chat(self, messages: list[ChatMessage]) -> list[int]:
+        # "developer" is OpenAI's newer name for the system role; chat templates know "system".
+        plain = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+        self._refuse_by_size(sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in plain), "messages")
+        try:
+            ids = self.tokenizer.apply_chat_template(plain, add_generation_prompt=True)
+        except (TypeError, ValueError) as err:  # the template refused the conversation
+            raise ApiError(400, f"messages: {err}", param="messages") from err
+        assert isinstance(ids, list)
+        return ids
+
+    def _encode_text(self, prompt: str | list[int]) -> list[int]:
+        if not isinstance(prompt, str):
+            return prompt  # token ids: the engine checks them against the vocabulary
+        self._refuse_by_size(len(prompt.encode("utf-8", "surrogatepass")), "prompt")
+        return self.tokenizer.encode(prompt)  # as Engine.generate encodes a str prompt
+
+    def _check_fits(self, prompt_tokens: int, max_tokens: int, param: str) -> None:
+        if prompt_tokens == 0:
+            raise ApiError(400, f"{param}: the prompt is empty: it needs at least one token", param=param)
+        if max_tokens < 1 or prompt_tokens + max_tokens > self.longest:
+            wanted = max(max_tokens, 1)
+            raise ApiError(400, f"{self._limit()}. However, you requested {prompt_tokens + wanted} tokens "
+                                f"({prompt_tokens} in the {param}, {wanted} in the completion). Please reduce the "
+                                f"length of the {param} or completion.", param=param, code="context_length_exceeded")
+
+    # -- generation
+    async def _generate(self, request: HttpRequest, body: GenerationBody, prompts: list[list[int]],
+                        max_tokens: int, arrival: float, chat: bool) -> Response:
+        if len(prompts) * body.n > MAX_CHOICES:
+            raise ApiError(400, f"{len(prompts)} prompts x n={body.n} is more than {MAX_CHOICES} completions",
+                           param="n")
+        params = body.sampling_params(max_tokens)
+        # Choice i of a prompt's n draws from seed + i, as Engine.generate numbers them.
+        choices = [(ids, params if params.seed is None else replace(params, seed=(params.seed + i) % 2**64))
+                   for ids in prompts for i in range(body.n)]
+        job = Job(choices, asyncio.get_running_loop(), arrival)
+        self.worker.submit(job)
+        first = await job.events.get()
+        if isinstance(first, Failed):
+            raise first.error
+        reply = Reply.new(chat, self.model_id)
+        prompt_tokens = sum(len(ids) for ids in prompts)
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return _JobStream(self._stream(job, reply, prompt_tokens, include_usage), lambda: self.worker.abort(job))
+        return JSONResponse(await self._collect(job, reply, prompt_tokens, request))
+
+    async def _stream(self, job: Job, reply: Reply, prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
+        """The Server-Sent Events of one job: a role chunk per choice (chat), the text as it comes,
+        a chunk with each choice's finish reason, the usage if asked for, then ``[DONE]``."""
+        finished = completion_tokens = 0
+        if reply.chat:
+            for index in range(len(job.choices)):
+                yield sse(reply.chunk(index, role=True))
+        while finished < len(job.choices):
+            event = await job.events.get()
+            if isinstance(event, Delta):
+                yield sse(reply.chunk(event.index, event.text))
+            elif isinstance(event, Finished):
+                finished += 1
+                completion_tokens += event.completion_tokens
+                yield sse(reply.chunk(event.index, finish_reason=event.finish_reason))
+            elif isinstance(event, Failed):  # the status line is sent already: the error goes in the stream
+                yield sse(event.error.body())
+                break
+        else:
+            if include_usage:
+                yield sse(reply.usage_chunk(token_usage(prompt_tokens, completion_tokens)))
+        yield "data: [DONE]\n\n"
+
+    async def _collect(self, job: Job, reply: Reply, prompt_tokens: int, request: HttpRequest) -> dict[str, Any]:
+        """The whole answer of a non-streaming request; aborted if the client disconnects meanwhile."""
+        n = len(job.choices)
+        texts, reasons = [""] * n, ["length"] * n
+        finished = completion_tokens = 0
+        watcher = asyncio.create_task(_end_on_disconnect(request, job))
+        try:
+            while finished < n:
+                event = await job.events.get()
+                if isinstance(event, Delta):
+                    texts[event.index] += event.text
+                elif isinstance(event, Finished):
+                    finished += 1
+                    completion_tokens += event.completion_tokens
+                    reasons[event.index] = event.finish_reason
+                elif isinstance(event, Failed):
+                    raise event.error
+        finally:
+            watcher.cancel()
+            if finished < n:
+                self.worker.abort(job)
+        return reply.response(texts, reasons, token_usage(prompt_tokens, completion_tokens))
+
+
+async def _end_on_disconnect(request: HttpRequest, job: Job) -> None:
+    """Wait for the client of a non-streaming request to go away, then end the wait for its
+    answer. (Its body is read: the only message still to come is the disconnect.)"""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    job.events.put_nowait(Failed(ApiError(499, "the client closed the connection")))
+
+
+def create_app(engine: Engine, model_id: str = "SmolLM2-135M-Instruct", aliases: Sequence[str] = (),
+               warm_up: bool = True, engine_thread: bool = True) -> FastAPI:
+    """The FastAPI app serving ``engine``. The engine loop first compiles the decode step (unless
+    ``warm_up=False``; ``/health`` is 503 until then). The app's lifespan starts it on a thread of
+    its own, or, with ``engine_thread=False``, leaves it to the caller (``run_server``), and stops it.
+
+    ``model_id`` is the name ``/v1/models`` lists; requests may name it, one of ``aliases``,
+    ``"minillm"``, ``"default"``, or a path ending in one of those (``HuggingFaceTB/SmolLM2-135M-Instruct``).
+    From the moment the app starts, ``engine`` belongs to the engine thread: do not use it elsewhere.
+    """
+    server = Server(engine, model_id, aliases, warm_up)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if engine_thread:
+            server.worker.start()
+        yield
+        await run_in_threadpool(server.worker.stop)
+
+    app = FastAPI(title="minillm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = server
+    app.post("/v1/chat/completions")(server.chat_completions)
+    app.post("/v1/completions")(server.completions)
+    app.get("/v1/models")(server.models)
+    app.get("/health")(server.health)
+    app.get("/metrics")(server.metrics_text)
+    app.get("/")(server.chat_page)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: HttpRequest, err: ApiError) -> JSONResponse:
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(ValidationError)
+    async def invalid_body(request: HttpRequest, err: ValidationError) -> JSONResponse:
+        error = validation_error(err)
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: HttpRequest, err: HTTPException) -> JSONResponse:  # unknown path, wrong method
+        return JSONResponse(ApiError(err.status_code, str(err.detail)).body(), status_code=err.status_code)
+
+    @app.exception_handler(Exception)
+    async def server_error(request: HttpRequest, err: Exception) -> JSONResponse:  # a bug: still OpenAI's shape
+        error = ApiError(500, f"internal error: {type(err).__name__}: {err}", type="server_error")
+        return JSONResponse(error.body(), status_code=500)
+
+    return app
+
+
+def model_name(source: str | None) -> str:
+    """The id ``/v1/models`` shows for a ``--model`` path: the file or folder name, without ``.gguf``."""
+    if source is None:
+        return "SmolLM2-135M-Instruct"
+    name = str(source).rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1]
+    return name[: -len(".gguf")] if name.lower().endswith(".gguf") else name
+
+
+def run_server(engine: Engine, sock: socket.socket, model_id: str, log_level: str = "info") -> None:
+    """Serve on ``sock`` until Ctrl-C: the engine loop on this thread, uvicorn on a second one.
+
+    Why this way round: torch runs its CPU kernels on a team of OpenMP threads belonging to the
+    thread that calls them. The model was loaded on this thread, so its team exists; an engine
+    loop on another thread starts a second team, and on the 2-core course machine each step
+    was then ~1.5x slower (64 greedy tokens by HTTP: 22 tokens/s, against 36 with the loop
+    here, the same as ``Engine.generate``). The event loop never calls torch.
+    """
+    app = create_app(engine, model_id, engine_thread=False)
+    worker = app.state.server.worker
+    logs = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    logs["handlers"]["access"]["stream"] = "ext://sys.stderr"  # the CLI keeps stdout for results
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, log_config=logs))
+
+    def http() -> None:
+        try:
+            server.run(sockets=[sock])
+        finally:
+            worker.stop()  # the engine loop ends with the web server, whatever ended it
+
+    web = threading.Thread(target=http, name="minillm-http", daemon=True)  # a second Ctrl-C does not wait
+    web.start()
+    try:
+        worker.run()
+    finally:  # Ctrl-C lands here, on the main thread: the open responses have ended, stop the server
+        server.should_exit = True
+        web.join()
