@@ -4,11 +4,25 @@ The pipeline, in the order the course builds it::
 
     text --Tokenizer.encode--> ids --Model--> logits --Sampler--> next id --Detokenizer--> text
 
-Every name below is imported on first use: ``import minillm`` loads nothing heavy, and has no
-side effects on torch.
+The names below are imported on first use (``minillm.Engine`` imports ``minillm.engine`` then),
+not when ``import minillm`` runs. Python runs this file before any submodule, so an eager import
+here would load torch and the whole engine for ``import minillm.tokenizer`` too: the tokenizer,
+the block manager and the scheduler are plain Python and load without torch, and
+``python -m minillm --help`` answers at once. ``import minillm`` has no side effects on torch.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from minillm.lazy import lazy_exports
+
+if TYPE_CHECKING:  # the same names, for type checkers and editors
+    from minillm.engine import Completion, Engine
+    from minillm.errors import FileFormatError, MinillmError
+    from minillm.model import ModelConfig, Transformer, load_model, validate
+    from minillm.sampling import SamplingParams
+    from minillm.tokenizer import BatchEncoding, StreamingDetokenizer, Tokenizer, train_bpe
 
 __getattr__, __dir__ = lazy_exports(__name__, {
     "BatchEncoding": "tokenizer",

@@ -26,12 +26,13 @@ from typing import TYPE_CHECKING, Any
 import regex
 
 from minillm.tokenizer.bytes_unicode import bytes_to_token
+from minillm.tokenizer.chat import encode_chat, render_chat
+from minillm.tokenizer.formats import read_tokenizer_file, write_tokenizer_file
 from minillm.tokenizer.pretokenize import PreTokenizer, time_budget
+from minillm.tokenizer.stream import StreamingDetokenizer
 
 if TYPE_CHECKING:
     import torch
-
-    from minillm.tokenizer.stream import StreamingDetokenizer
 
 Pair = tuple[int, int]
 
@@ -401,8 +402,6 @@ class Tokenizer:
         message smuggled in, so do not turn it back into ids: call this method with
         ``tokenize=True`` for ids.
         """
-        from minillm.tokenizer.chat import encode_chat, render_chat
-
         if not tokenize:
             return render_chat(self, messages, add_generation_prompt)
         if parse_special_in_content:
@@ -413,19 +412,13 @@ class Tokenizer:
     @classmethod
     def from_file(cls, path: str | Path) -> Tokenizer:
         """Load a ``tokenizer.json``, a ``.gguf`` file, or a GPT-2 folder (``encoder.json`` + ``vocab.bpe``)."""
-        from minillm.tokenizer.files import load_tokenizer
-
-        return load_tokenizer(path)
+        return read_tokenizer_file(path).build(cls)
 
     def save(self, path: str | Path) -> None:
         """Write an HF-compatible ``tokenizer.json`` (and ``tokenizer_config.json`` beside it)."""
-        from minillm.tokenizer.files import save_tokenizer
-
-        save_tokenizer(self, path)
+        write_tokenizer_file(self, path)
 
     def streaming_decoder(self, skip_special_tokens: bool = False) -> StreamingDetokenizer:
-        from minillm.tokenizer.stream import StreamingDetokenizer
-
         return StreamingDetokenizer(self, skip_special_tokens)
 
 

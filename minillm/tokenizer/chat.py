@@ -32,15 +32,12 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from types import CodeType
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
 import jinja2
 import regex
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
-
-if TYPE_CHECKING:
-    from minillm.tokenizer.bpe import Tokenizer
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -69,6 +66,23 @@ _PERCENT_SPEC = regex.compile(r"%[#0 +\-]*([0-9]*(?:\.[0-9]*)?)")
 _BRACE_SPEC = regex.compile(r"\{[^{}:]*:([^{}]*)\}")
 
 
+class ChatTokenizer(Protocol):
+    """What rendering a chat needs from a tokenizer (``Tokenizer`` has all of it)."""
+
+    special_tokens: dict[str, int]
+    chat_template: str | None
+    bos_id: int | None
+    eos_id: int | None
+
+    def encode(self, text: str, add_special_tokens: bool = False, parse_special: bool = True) -> list[int]: ...
+
+    def id_to_token(self, token_id: int) -> str: ...
+
+    def _split_special(self, text: str) -> Iterator[tuple[str, int | None]]: ...
+
+    def _special_spans(self, text: str) -> Iterator[tuple[int, int]]: ...
+
+
 class _TemplateError(ValueError):
     """A chat template that does not parse, refuses the messages, or goes past a limit."""
 
@@ -77,7 +91,7 @@ def _raise_exception(message: str) -> NoReturn:
     raise _TemplateError(f"chat template: {message}")
 
 
-def render_chat(tokenizer: Tokenizer, messages: Sequence[dict[str, Any]], add_generation_prompt: bool) -> str:
+def render_chat(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], add_generation_prompt: bool) -> str:
     """Render ``messages`` (``[{"role": ..., "content": ...}, ...]``) with the tokenizer's template.
 
     The string equals transformers' ``apply_chat_template(..., tokenize=False)``. It is for
@@ -88,7 +102,7 @@ def render_chat(tokenizer: Tokenizer, messages: Sequence[dict[str, Any]], add_ge
     return _render(tokenizer, list(messages), add_generation_prompt)
 
 
-def encode_chat(tokenizer: Tokenizer, messages: Sequence[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+def encode_chat(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
     """The ids of the rendered conversation, with special tokens taken only from the template.
 
     Every string in the messages is escaped (special-token strings replaced by a reversible
@@ -122,7 +136,7 @@ def _check_messages(messages: Any) -> None:
             raise ValueError(f"message #{n} must be a dict with str 'role' and 'content', got {message!r}")
 
 
-def _escape(value: Any, tokenizer: Tokenizer, index: dict[str, int]) -> Any:
+def _escape(value: Any, tokenizer: ChatTokenizer, index: dict[str, int]) -> Any:
     """``value`` with every str inside it (dict values, list items) escaped, recursively.
 
     ``index`` numbers the special tokens; the marker of one is its number between two _ESCAPEs.
@@ -149,7 +163,7 @@ def _unescape(text: str, specials: list[str]) -> str:
 
 
 # ------------------------------------------------------------------------------ bounded rendering
-def _render(tokenizer: Tokenizer, messages: list[Any], add_generation_prompt: bool) -> str:
+def _render(tokenizer: ChatTokenizer, messages: list[Any], add_generation_prompt: bool) -> str:
     """Compile and render the template within ``_Limits``; every failure is a ValueError."""
     source = tokenizer.chat_template or CHATML_TEMPLATE
     limits = _Limits(len(source) + sum(_text_size(message) for message in messages))

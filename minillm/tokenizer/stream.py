@@ -10,16 +10,20 @@ decoding all bytes at once, so the concatenated pieces always equal ``decode(ids
 from __future__ import annotations
 
 import codecs
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from minillm.tokenizer.bpe import Tokenizer
+
+class DecodesBytes(Protocol):
+    """What streaming needs from a tokenizer: the bytes of some ids (``Tokenizer`` has it)."""
+
+    def decode_bytes(self, ids: Iterable[int], skip_special_tokens: bool = False) -> bytes: ...
 
 
 class StreamingDetokenizer:
     """Push ids one at a time, get back only the text that is complete; ``flush()`` at the end."""
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False) -> None:
+    def __init__(self, tokenizer: DecodesBytes, skip_special_tokens: bool = False) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")

@@ -1,0 +1,526 @@
+"""Reading and writing tokenizer files: HF ``tokenizer.json``, GGUF, and GPT-2's original files.
+
+All three store the same three things: the vocabulary (token string -> id, with bytes shown
+through GPT-2's byte<->unicode map), the merges in rank order, and the special tokens. Only
+JSON and GGUF are read; nothing is ever unpickled.
+
+This module knows the formats, not the ``Tokenizer`` class: reading a file gives a
+``TokenizerFile``, the arguments of ``Tokenizer(...)``, and writing one reads a tokenizer's
+attributes. So ``Tokenizer.from_file`` and ``Tokenizer.save`` (in ``bpe``) build on this module,
+and ``files`` holds the same as functions (``load_tokenizer``, ``save_tokenizer``).
+
+A tokenizer file is input like any other, and a small one can be hostile: an id of 10**8 asks
+for an 800 MB table, a repeated token silently loses an id, a path may be a FIFO that blocks
+forever when opened. So everything read is checked for type and consistency before use, and
+every refusal is a ``FileFormatError`` naming the file, the field (as a JSON path or GGUF key)
+and the sizes involved.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+from minillm.errors import FileFormatError
+from minillm.gguf_io import gguf_fields, open_gguf
+from minillm.safe_io import existing_path
+from minillm.tokenizer.bytes_unicode import bytes_to_token, token_to_bytes
+from minillm.tokenizer.pretokenize import GGUF_PRE_PATTERNS, PreTokenizer
+
+# Larger than any real tokenizer file (Llama 3's tokenizer.json is 9 MB). A sparse file can be
+# terabytes long while taking no disk space; reading it whole would exhaust memory.
+_MAX_FILE_BYTES = 256 << 20
+
+# GGUF token types (llama.cpp's llama_token_type)
+_GGUF_CONTROL = 3
+_GGUF_USER_DEFINED = 4
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class TokenizerFile:
+    """What a tokenizer file holds: the keyword arguments of ``Tokenizer(...)``, and the file they
+    came from (named in errors)."""
+
+    path: Path
+    arguments: dict[str, Any]
+
+    def build(self, cls: Callable[..., T]) -> T:
+        """``cls(**arguments)``; a consistency problem (a ValueError) becomes an error naming the file."""
+        try:
+            return cls(**self.arguments)
+        except ValueError as err:
+            raise FileFormatError(f"{self.path}: {err}") from None
+
+
+class SavableTokenizer(Protocol):
+    """What writing a tokenizer file reads from a tokenizer (``Tokenizer`` has all of it)."""
+
+    vocab: dict[int, bytes]
+    merges: list[tuple[int, int]]
+    special_tokens: dict[str, int]
+    pretokenizer: PreTokenizer
+    nfc: bool
+    ignore_merges: bool
+    add_bos: bool
+    add_eos: bool
+    bos_id: int | None
+    eos_id: int | None
+    pad_id: int | None
+    chat_template: str | None
+
+    def id_to_token(self, token_id: int) -> str: ...
+
+
+def read_tokenizer_file(path: str | Path) -> TokenizerFile:
+    """Read a tokenizer from a ``tokenizer.json``, a ``.gguf`` file, or a folder holding either
+    ``tokenizer.json``, GPT-2's ``encoder.json`` + ``vocab.bpe``, or ``vocab.json`` + ``merges.txt``."""
+    path = existing_path(path, "a tokenizer path", "tokenizer", "a tokenizer.json, a .gguf file or a folder of tokenizer files")
+    if path.is_dir():
+        if _is_regular_file(path / "tokenizer.json"):
+            return _load_tokenizer_json(path / "tokenizer.json")
+        for vocab_name, merges_name in (("encoder.json", "vocab.bpe"), ("vocab.json", "merges.txt")):
+            if _is_regular_file(path / vocab_name) and _is_regular_file(path / merges_name):
+                return _load_gpt2_files(path / vocab_name, path / merges_name)
+        raise FileNotFoundError(
+            f"{path} holds no tokenizer: expected tokenizer.json, encoder.json + vocab.bpe, "
+            "or vocab.json + merges.txt"
+        )
+    _is_regular_file(path)
+    if path.suffix == ".gguf":
+        return _load_gguf(path)
+    if path.suffix == ".json":
+        return _load_tokenizer_json(path)
+    raise FileFormatError(f"{path}: unknown tokenizer file type (expected .json, .gguf or a folder)")
+
+
+# ------------------------------------------------------------------------------ shared helpers
+def _is_regular_file(path: Path) -> bool:
+    """Whether ``path`` is a regular file; False if it does not exist. Anything else (a FIFO, a
+    device, a socket, a folder) is refused *before* opening: opening a FIFO blocks until some
+    other process writes to it, which may be never."""
+    if path.is_file():
+        return True
+    if path.exists():
+        raise FileFormatError(f"{path}: not a regular file (a folder, FIFO, device or socket); tokenizers are files")
+    return False
+
+
+def _vocab_from_strings(path: Path, token_to_id: Any, special: dict[str, int], field: str) -> dict[int, bytes]:
+    """id -> bytes of a vocabulary written as token string -> id (``field`` names it in errors).
+
+    The ids must be 0 .. len - 1: HF tokenizers numbers added tokens from ``len(vocab)``, so a
+    vocabulary with holes would collide with them, and minillm's id table is a list.
+    """
+    if not isinstance(token_to_id, dict):
+        raise FileFormatError(f"{path}: {field} must map token strings to ids, got a {type(token_to_id).__name__}")
+    vocab: dict[int, bytes] = {}
+    for token, i in token_to_id.items():
+        if not isinstance(i, int) or isinstance(i, bool) or i < 0:
+            raise FileFormatError(f"{path}: {field}: the id of token {token!r} is {i!r}, not a non-negative int")
+        if i >= len(token_to_id):
+            raise FileFormatError(
+                f"{path}: {field}: token {token!r} has id {i}, but the vocabulary has {len(token_to_id)} entries "
+                f"(ids must be 0..{len(token_to_id) - 1})"
+            )
+        if i in vocab:
+            raise FileFormatError(f"{path}: {field}: id {i} is given to two tokens (one is {token!r})")
+        try:
+            vocab[i] = token_to_bytes(token)
+        except ValueError as err:
+            if token in special:  # e.g. a special token written with non-byte-level characters
+                continue
+            raise FileFormatError(f"{path}: {err}") from None
+    return vocab
+
+
+def _merges_from_strings(path: Path, lines: Any, token_to_id: dict[str, int]) -> list[tuple[int, int]]:
+    if not isinstance(lines, list):
+        raise FileFormatError(f"{path}: merges must be a list, got a {type(lines).__name__}")
+    merges: list[tuple[int, int]] = []
+    for n, line in enumerate(lines):
+        parts = line.split(" ") if isinstance(line, str) else line
+        if not isinstance(parts, list) or len(parts) != 2 or not all(isinstance(part, str) for part in parts):
+            raise FileFormatError(f"{path}: merge #{n} {line!r} is not a pair of tokens")
+        a, b = parts
+        if a not in token_to_id or b not in token_to_id:
+            raise FileFormatError(f"{path}: merge #{n} {line!r} uses a token that is not in the vocabulary")
+        merges.append((token_to_id[a], token_to_id[b]))
+    return merges
+
+
+def _read_text(path: Path) -> str:
+    """The UTF-8 text of a regular file.
+
+    Opened non-blocking and checked with ``fstat`` on the open descriptor, so a path swapped
+    for a FIFO after ``_is_regular_file`` looked at it still cannot block, and a (sparse) file
+    of terabytes is refused by its size before a byte is read.
+    """
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    with open(fd, "rb") as f:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise FileFormatError(f"{path}: not a regular file (a FIFO, device or socket); tokenizers are files")
+        if info.st_size > _MAX_FILE_BYTES:
+            raise FileFormatError(f"{path}: {info.st_size} bytes is too large (the limit is {_MAX_FILE_BYTES})")
+        data = f.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise FileFormatError(f"{path}: not UTF-8 text ({err})") from None
+
+
+def _read_json(path: Path) -> Any:
+    """Parse a JSON file, refusing duplicate keys: ``json`` keeps the last, silently, so a
+    vocabulary listing a token twice would lose one of its ids."""
+
+    def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        obj = dict(pairs)
+        if len(obj) != len(pairs):
+            seen: set[str] = set()
+            for key, _ in pairs:
+                if key in seen:
+                    raise FileFormatError(f"{path}: the key {key!r} appears twice in one JSON object")
+                seen.add(key)
+        return obj
+
+    try:
+        return json.loads(_read_text(path), object_pairs_hook=unique_keys)
+    except json.JSONDecodeError as err:
+        raise FileFormatError(f"{path}: not valid JSON ({err})") from None
+    except RecursionError:
+        raise FileFormatError(f"{path}: JSON nested too deeply to parse") from None
+
+
+# ------------------------------------------------------------------------------ GPT-2's files
+def _load_gpt2_files(vocab_path: Path, merges_path: Path) -> TokenizerFile:
+    token_to_id = _read_json(vocab_path)
+    if not isinstance(token_to_id, dict):
+        raise FileFormatError(f"{vocab_path}: expected a JSON object mapping tokens to ids")
+    lines = _read_text(merges_path).splitlines()
+    lines = [line for line in lines if line and not line.startswith("#version")]
+    special = {t: i for t, i in token_to_id.items() if t == "<|endoftext|>"}
+    vocab = _vocab_from_strings(vocab_path, token_to_id, special, "the vocabulary")
+    merges = _merges_from_strings(merges_path, lines, token_to_id)
+    eos = "<|endoftext|>" if special else None
+    arguments = {"vocab": vocab, "merges": merges, "special_tokens": special, "bos_token": eos, "eos_token": eos}
+    return TokenizerFile(vocab_path, arguments)
+
+
+# ------------------------------------------------------------------------------ tokenizer.json
+def _load_tokenizer_json(path: Path) -> TokenizerFile:
+    spec = _read_json(path)
+    model = spec.get("model") if isinstance(spec, dict) else None
+    if not isinstance(model, dict) or "vocab" not in model or "merges" not in model:
+        raise FileFormatError(f"{path}: no BPE model with 'vocab' and 'merges' in it")
+    if model.get("type", "BPE") != "BPE" or model.get("byte_fallback"):
+        raise FileFormatError(f"{path}: model {model.get('type')!r} is not byte-level BPE (the kind minillm reads)")
+    if not isinstance(model["vocab"], dict):
+        kind = type(model["vocab"]).__name__
+        raise FileFormatError(f"{path}: model.vocab must map token strings to ids, got a {kind}")
+    special = _added_tokens(path, spec.get("added_tokens", []), model["vocab"])
+    vocab = _vocab_from_strings(path, model["vocab"], special, "model.vocab")
+    merges = _merges_from_strings(path, model["merges"], model["vocab"])
+    _check_bpe_options(path, model, vocab)
+    try:
+        pretokenizer = PreTokenizer.from_hf(spec.get("pre_tokenizer"))
+    except ValueError as err:
+        raise FileFormatError(f"{path}: {err}") from None
+    normalizer = spec.get("normalizer")
+    if normalizer not in (None, {"type": "NFC"}):
+        raise FileFormatError(f"{path}: normalizer {normalizer} is not supported (only NFC)")
+
+    config_path = path.parent / "tokenizer_config.json"
+    config = _read_json(config_path) if _is_regular_file(config_path) else {}
+    if not isinstance(config, dict):
+        raise FileFormatError(f"{config_path}: expected a JSON object, got a {type(config).__name__}")
+    prefix, suffix = _template_specials(spec.get("post_processor"))
+    bos = _token_name(config.get("bos_token")) or (prefix[0] if prefix else None)
+    eos = _token_name(config.get("eos_token")) or (suffix[0] if suffix else None)
+    return TokenizerFile(path, {
+        "vocab": vocab,
+        "merges": merges,
+        "special_tokens": special,
+        "pretokenizer": pretokenizer,
+        "bos_token": _present(bos, special),
+        "eos_token": _present(eos, special),
+        "pad_token": _present(_token_name(config.get("pad_token")), special),
+        "add_bos": bool(config.get("add_bos_token", bool(prefix))),
+        "add_eos": bool(config.get("add_eos_token", bool(suffix))),
+        "chat_template": _chat_template(config_path, config.get("chat_template")),
+        "nfc": normalizer is not None,
+        "ignore_merges": model.get("ignore_merges") is True,
+    })
+
+
+def _added_tokens(path: Path, entries: Any, model_vocab: dict[str, Any]) -> dict[str, int]:
+    """``added_tokens`` of a tokenizer.json: content -> id.
+
+    HF tokenizers does not take these ids from the file: an added token already in
+    ``model.vocab`` gets its vocabulary id, and each other one the next id after the
+    vocabulary, in file order (with a warning when the file says otherwise). A file whose ids
+    disagree with that is inconsistent, and honouring either numbering would give ids that
+    differ from HF's or from the model's, so it is refused. The rule also bounds every id by
+    the number of tokens actually present.
+    """
+    if not isinstance(entries, list):
+        raise FileFormatError(f"{path}: added_tokens must be a list")
+    special: dict[str, int] = {}
+    where: dict[str, int] = {}
+    next_id = len(model_vocab)
+    for n, entry in enumerate(entries):
+        field = f"added_tokens[{n}]"
+        if not isinstance(entry, dict) or not isinstance(entry.get("content"), str) or not _is_int(entry.get("id")):
+            raise FileFormatError(f"{path}: {field} needs a str 'content' and an int 'id', got {entry!r}")
+        content, token_id = entry["content"], entry["id"]
+        if not content:
+            raise FileFormatError(f"{path}: {field} (id {token_id}) has empty content, which would match everywhere")
+        if content in special:
+            raise FileFormatError(f"{path}: {field} {content!r} repeats added_tokens[{where[content]}]")
+        for flag in ("lstrip", "rstrip", "single_word"):
+            if entry.get(flag):
+                raise FileFormatError(f"{path}: {field} {content!r} has {flag}=true, which minillm does not support")
+        if content in model_vocab:
+            expected, rule = model_vocab[content], "its id in model.vocab"
+        else:
+            expected, rule = next_id, f"the next id after the {len(model_vocab)} entries of model.vocab"
+            next_id += 1
+        if token_id != expected:
+            raise FileFormatError(
+                f"{path}: {field} {content!r} has id {token_id}, but HF tokenizers gives it id {expected} ({rule}; "
+                f"{len(model_vocab)} vocabulary entries, {len(entries)} added tokens)"
+            )
+        special[content] = token_id
+        where[content] = n
+    return special
+
+
+def _check_bpe_options(path: Path, model: dict[str, Any], vocab: dict[int, bytes]) -> None:
+    """Refuse BPE model options that would change HF's ids in ways minillm does not implement."""
+    for key in ("continuing_subword_prefix", "end_of_word_suffix"):
+        if model.get(key) not in (None, ""):
+            raise FileFormatError(f"{path}: model.{key}={model[key]!r} is not supported (byte-level BPE has none)")
+    if model.get("dropout") not in (None, 0, 0.0):
+        raise FileFormatError(f"{path}: model.dropout={model['dropout']!r} is not supported (it makes encoding random)")
+    if model.get("unk_token") is not None:
+        single_bytes = {data for data in vocab.values() if len(data) == 1}
+        missing = [b for b in range(256) if bytes([b]) not in single_bytes]
+        if missing:  # HF would emit unk_token for these bytes; minillm drops them (as HF does without one)
+            raise FileFormatError(
+                f"{path}: model.unk_token={model['unk_token']!r} with {len(missing)} bytes missing from the "
+                f"vocabulary (e.g. 0x{missing[0]:02x}) is not supported"
+            )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _chat_template(path: Path, value: Any) -> str | None:
+    """``chat_template`` of tokenizer_config.json: a str, or a list of ``{"name", "template"}``
+    of which transformers uses the one named ``default``."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(t, dict) and isinstance(t.get("template"), str) for t in value):
+        named = {t.get("name"): t["template"] for t in value}
+        if "default" in named:
+            return named["default"]
+        names = sorted(map(str, named))
+        raise FileFormatError(f"{path}: chat_template lists templates {names} but none named 'default'")
+    raise FileFormatError(f"{path}: chat_template must be a str or a list of {{name, template}}, got {value!r}"[:300])
+
+
+def _token_name(value: Any) -> str | None:
+    """tokenizer_config.json writes a role either as a string or as {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _present(token: str | None, special: dict[str, int]) -> str | None:
+    return token if token in special else None
+
+
+def _template_specials(post_processor: dict[str, Any] | None) -> tuple[list[str], list[str]]:
+    """Special tokens a TemplateProcessing post-processor puts before and after the text."""
+    if not isinstance(post_processor, dict):
+        return [], []
+    processors = post_processor.get("processors", [post_processor])
+    for processor in processors if isinstance(processors, list) else []:
+        if isinstance(processor, dict) and processor.get("type") == "TemplateProcessing":
+            prefix: list[str] = []
+            suffix: list[str] = []
+            seen_text = False
+            single = processor.get("single")
+            for piece in single if isinstance(single, list) else []:
+                if not isinstance(piece, dict):
+                    continue
+                if "Sequence" in piece:
+                    seen_text = True
+                elif isinstance(piece.get("SpecialToken"), dict) and isinstance(piece["SpecialToken"].get("id"), str):
+                    (suffix if seen_text else prefix).append(piece["SpecialToken"]["id"])
+            return prefix, suffix
+    return [], []
+
+
+def write_tokenizer_file(tokenizer: SavableTokenizer, path: str | Path) -> None:
+    """Write ``tokenizer.json`` (loadable by HF ``tokenizers``) and a ``tokenizer_config.json``
+    beside it holding the chat template and the BOS/EOS/PAD roles. ``path`` is a ``.json``
+    file or a folder (created if needed)."""
+    path = Path(path)
+    if path.suffix != ".json":  # a folder, existing or not
+        path = path / "tokenizer.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    special_ids = set(tokenizer.special_tokens.values())
+    vocab = {bytes_to_token(data): i for i, data in sorted(tokenizer.vocab.items()) if i not in special_ids}
+    vocab.update({content: i for content, i in tokenizer.special_tokens.items() if i in tokenizer.vocab})
+    merges = [f"{tokenizer.id_to_token(a)} {tokenizer.id_to_token(b)}" for a, b in tokenizer.merges]
+    added = [
+        {
+            "id": i,
+            "content": content,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
+        for content, i in sorted(tokenizer.special_tokens.items(), key=lambda item: item[1])
+    ]
+    spec = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": {"type": "NFC"} if tokenizer.nfc else None,
+        "pre_tokenizer": tokenizer.pretokenizer.to_hf(),
+        "post_processor": _template_processor(tokenizer),
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": tokenizer.ignore_merges,
+            "vocab": vocab,
+            "merges": merges,
+        },
+    }
+    path.write_text(json.dumps(spec, ensure_ascii=False, indent=1), encoding="utf-8")
+
+    def name(token_id: int | None) -> str | None:
+        return tokenizer.id_to_token(token_id) if token_id is not None else None
+
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": name(tokenizer.bos_id),
+        "eos_token": name(tokenizer.eos_id),
+        "pad_token": name(tokenizer.pad_id),
+        "add_bos_token": tokenizer.add_bos,
+        "add_eos_token": tokenizer.add_eos,
+        "chat_template": tokenizer.chat_template,
+    }
+    (path.parent / "tokenizer_config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
+
+
+def _template_processor(tokenizer: SavableTokenizer) -> dict[str, Any] | None:
+    prefix = [tokenizer.bos_id] if tokenizer.add_bos and tokenizer.bos_id is not None else []
+    suffix = [tokenizer.eos_id] if tokenizer.add_eos and tokenizer.eos_id is not None else []
+    if not prefix and not suffix:
+        return None
+
+    def special(token_id: int) -> dict[str, Any]:
+        return {"SpecialToken": {"id": tokenizer.id_to_token(token_id), "type_id": 0}}
+
+    single = [special(i) for i in prefix] + [{"Sequence": {"id": "A", "type_id": 0}}] + [special(i) for i in suffix]
+    return {
+        "type": "TemplateProcessing",
+        "single": single,
+        "pair": single + [{"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {
+            tokenizer.id_to_token(i): {"id": tokenizer.id_to_token(i), "ids": [i], "tokens": [tokenizer.id_to_token(i)]}
+            for i in prefix + suffix
+        },
+    }
+
+
+# ------------------------------------------------------------------------------ GGUF
+def gguf_tokenizer_file(path: Path, fields: dict[str, Any]) -> TokenizerFile:
+    """The tokenizer stored in GGUF metadata (keys ``tokenizer.ggml.*``).
+
+    A token's id is its index in ``tokenizer.ggml.tokens``, so the list must not repeat a token
+    (the repeat's id would be lost), and ``tokenizer.ggml.token_type``, which marks the special
+    tokens, must have one entry per token.
+    """
+
+    def need(key: str) -> Any:
+        if key not in fields:
+            raise FileFormatError(f"{path}: GGUF metadata has no {key!r}")
+        return fields[key]
+
+    kind = need("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise FileFormatError(f"{path}: tokenizer model {kind!r} is not supported (minillm reads byte-level BPE, 'gpt2')")
+    pre = fields.get("tokenizer.ggml.pre", "default")
+    if not isinstance(pre, str) or pre not in GGUF_PRE_PATTERNS:
+        raise FileFormatError(
+            f"{path}: pre-tokenizer {pre!r} is not supported (known: {', '.join(sorted(GGUF_PRE_PATTERNS))})"
+        )
+    tokens = need("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not all(isinstance(token, str) for token in tokens):
+        raise FileFormatError(f"{path}: tokenizer.ggml.tokens must be an array of strings")
+    types = fields.get("tokenizer.ggml.token_type", [1] * len(tokens))
+    if not isinstance(types, list) or not all(_is_int(t) for t in types):
+        raise FileFormatError(f"{path}: tokenizer.ggml.token_type must be an array of ints")
+    if len(types) != len(tokens):
+        raise FileFormatError(
+            f"{path}: tokenizer.ggml.token_type has {len(types)} entries but tokenizer.ggml.tokens has {len(tokens)}"
+        )
+    token_to_id: dict[str, int] = {}
+    for i, token in enumerate(tokens):
+        if token in token_to_id:
+            raise FileFormatError(
+                f"{path}: tokenizer.ggml.tokens[{i}] {token!r} repeats tokenizer.ggml.tokens[{token_to_id[token]}]"
+            )
+        token_to_id[token] = i
+    special = {tokens[i]: i for i, t in enumerate(types) if t in (_GGUF_CONTROL, _GGUF_USER_DEFINED)}
+    vocab = _vocab_from_strings(path, token_to_id, special, "tokenizer.ggml.tokens")
+    merges = _merges_from_strings(path, need("tokenizer.ggml.merges"), token_to_id)
+
+    def role(key: str) -> str | None:
+        field = f"tokenizer.ggml.{key}_token_id"
+        i = fields.get(field)
+        if i is None:
+            return None
+        if not _is_int(i) or not 0 <= i < len(tokens):
+            raise FileFormatError(f"{path}: {field} is {i!r}, not an id below the {len(tokens)} tokens")
+        return tokens[i] if tokens[i] in special else None
+
+    chat_template = fields.get("tokenizer.chat_template")
+    if chat_template is not None and not isinstance(chat_template, str):
+        raise FileFormatError(f"{path}: tokenizer.chat_template must be a string")
+    return TokenizerFile(path, {
+        "vocab": vocab,
+        "merges": merges,
+        "special_tokens": special,
+        "pretokenizer": PreTokenizer(GGUF_PRE_PATTERNS[pre]),
+        "bos_token": role("bos"),
+        "eos_token": role("eos"),
+        "pad_token": role("padding"),
+        "add_bos": bool(fields.get("tokenizer.ggml.add_bos_token", False)),
+        "add_eos": bool(fields.get("tokenizer.ggml.add_eos_token", False)),
+        "chat_template": chat_template,
+    })
+
+
+def _load_gguf(path: Path) -> TokenizerFile:
+    return gguf_tokenizer_file(path, gguf_fields(open_gguf(path)))
