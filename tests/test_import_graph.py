@@ -5,7 +5,7 @@ a module may use only what sits in its own layer or in the layers below it. ``LA
 the layers from the bottom, each with the first name after ``minillm.`` of the modules in it
 (so ``minillm/serve.py`` and a package ``minillm/serve/`` both land in ``serve``):
 
-* ``io``: ``errors``, ``safe_io``, ``gguf_io``, ``assets``: reading files and finding them,
+* ``io``: ``errors``, ``safe_io``, ``gguf_io``, ``assets``, ``lazy``: reading files and finding them,
   needed by everything and needing nothing of minillm.
 * ``tokenizer``: text <-> ids (notebooks 01-02); pure Python, no model.
 * ``cache``: where the keys and values live, and which blocks hold them (notebooks 07-08,
@@ -59,7 +59,7 @@ PACKAGE = ROOT / "minillm"
 
 # From the bottom up: layer -> the first names after "minillm." in it ("__init__" is minillm/__init__.py).
 LAYERS = {
-    "io": ("errors", "safe_io", "gguf_io", "assets"),
+    "io": ("errors", "safe_io", "gguf_io", "assets", "lazy"),
     "tokenizer": ("tokenizer",),
     "cache": ("cache",),
     "model": ("model",),
