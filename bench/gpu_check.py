@@ -62,7 +62,7 @@ def greedy_parity(folder: Path, device: str, new_tokens: int) -> dict[str, objec
     """Greedy tokens of transformers, the eager Engine and the compiled one (float32)."""
     model, tok = load_model(folder, device=device, dtype=torch.float32)
     reference = hf_causal_lm(folder).to(device)
-    compiled, eager = Engine(model, tok), Engine(model, tok, compile=False)
+    compiled, eager = Engine(model, tok), Engine(model, tok, backend="eager")
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     rows, expected_all = [], []
     for prompt in PROMPTS:

@@ -295,7 +295,7 @@ def bench_model(device: str | None = None, dtype: str = "float32", new_tokens: i
     short = prompt[:DECODE_PROMPT_TOKENS]
     x = torch.tensor([prompt], device=dev)
     engine = Engine(model, tok, max_batch_size=8)
-    eager = Engine(model, tok, max_batch_size=8, compile=False)
+    eager = Engine(model, tok, max_batch_size=8, backend="eager")
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     results: dict[str, Any] = {
         "model": str(source or default_gguf_path().name), "device": str(dev), "dtype": dtype,

@@ -58,7 +58,7 @@ def test_forward_refuses_a_cache_of_another_dtype(tiny):
 def test_engine_arguments_are_checked(tiny, kwargs, error, match):
     model, tok = tiny
     with pytest.raises(error, match=match):
-        Engine(model, tok, compile=False, **kwargs)
+        Engine(model, tok, backend="eager", **kwargs)
 
 
 @pytest.mark.parametrize("call, error, match", [
@@ -74,7 +74,7 @@ def test_engine_arguments_are_checked(tiny, kwargs, error, match):
 ])
 def test_engine_calls_are_checked_and_the_engine_keeps_serving(tiny, call, error, match):
     model, tok = tiny
-    engine = Engine(model, tok, compile=False)
+    engine = Engine(model, tok, backend="eager")
     with pytest.raises(error, match=match):
         call(engine)
     assert len(engine.generate([[1, 2]], SamplingParams(max_new_tokens=2, ignore_eos=True))[0].token_ids) == 2

@@ -121,7 +121,7 @@ def tiny_url(tmp_path_factory, tiny_tokenizer) -> Iterator[str]:  # noqa: F811
     folder = _tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny", tiny_tokenizer, "llama",
                                  max_position_embeddings=512, vocab_size=300)
     model, tok = load_model(folder, device="cpu")
-    with serving(Engine(model, tok, compile=False, kv_cache_tokens=4096, prefix_caching=True), "tiny") as served:
+    with serving(Engine(model, tok, backend="eager", kv_cache_tokens=4096, prefix_caching=True), "tiny") as served:
         yield served.url
 
 

@@ -27,8 +27,8 @@ def _prompts(tok) -> list[list[int]]:
 def test_chunked_prefill_gives_the_same_answers_and_frees_everything(tiny64, chunk, prefix_caching):  # noqa: F811
     model, tok = tiny64
     params = SamplingParams(max_new_tokens=5)
-    whole = minillm.Engine(model, tok, block_size=4, compile=False)
-    chunked = minillm.Engine(model, tok, block_size=4, compile=False, prefill_chunk_tokens=chunk,
+    whole = minillm.Engine(model, tok, block_size=4, backend="eager")
+    chunked = minillm.Engine(model, tok, block_size=4, backend="eager", prefill_chunk_tokens=chunk,
                              prefix_caching=prefix_caching)
     free = chunked.manager.allocator.num_free
     prompts = _prompts(tok)
@@ -40,7 +40,7 @@ def test_chunked_prefill_gives_the_same_answers_and_frees_everything(tiny64, chu
 
 def test_a_long_prompt_never_takes_a_step_from_the_running_requests(tiny64):  # noqa: F811
     model, tok = tiny64
-    engine = minillm.Engine(model, tok, block_size=4, compile=False, prefill_chunk_tokens=6)
+    engine = minillm.Engine(model, tok, block_size=4, backend="eager", prefill_chunk_tokens=6)
     computed = _counting_prefill(engine)
     short = [engine.add_request(p, SamplingParams(max_new_tokens=40)) for p in _prompts(tok)[:1] * 3]
     while any(not r.output_ids for r in short):
@@ -64,7 +64,7 @@ def test_a_long_prompt_never_takes_a_step_from_the_running_requests(tiny64):  # 
 
 def test_aborting_a_request_while_its_prompt_is_being_prefilled_frees_its_blocks(tiny64):  # noqa: F811
     model, tok = tiny64
-    engine = minillm.Engine(model, tok, block_size=4, compile=False, prefill_chunk_tokens=4)
+    engine = minillm.Engine(model, tok, block_size=4, backend="eager", prefill_chunk_tokens=4)
     request = engine.add_request(_prompts(tok)[2], SamplingParams(max_new_tokens=3))
     engine.step()
     assert engine.prefilling and not request.output_ids
@@ -76,14 +76,14 @@ def test_aborting_a_request_while_its_prompt_is_being_prefilled_frees_its_blocks
 def test_the_chunk_size_is_checked(tiny64):  # noqa: F811
     model, tok = tiny64
     with pytest.raises(ValueError, match="prefill_chunk_tokens"):
-        minillm.Engine(model, tok, compile=False, prefill_chunk_tokens=0)
+        minillm.Engine(model, tok, backend="eager", prefill_chunk_tokens=0)
 
 
 def test_requests_being_prefilled_count_against_max_batch_size(tiny64):  # noqa: F811
     # Prompts prefilled over several steps hold batch rows: a waiting request may not be admitted
     # past max_batch_size just because none of them is decoding yet.
     model, tok = tiny64
-    engine = minillm.Engine(model, tok, block_size=4, compile=False, max_batch_size=2, prefill_chunk_tokens=4)
+    engine = minillm.Engine(model, tok, block_size=4, backend="eager", max_batch_size=2, prefill_chunk_tokens=4)
     requests = [engine.add_request(_prompts(tok)[1], SamplingParams(max_new_tokens=2)) for _ in range(3)]
     while engine.has_unfinished_requests():
         engine.step()
@@ -99,9 +99,9 @@ def test_a_running_request_that_outgrows_the_pool_preempts_a_prompt_being_prefil
     # random request stream: 7 blocks of 1 token, a 1-token chunk budget; both are admitted in the
     # first step (1 + 4 prompt blocks and a spare block per row), the first prefilled at once.
     model, tok = tiny64
-    engine = minillm.Engine(model, tok, block_size=1, kv_cache_tokens=7, max_batch_size=2, compile=False,
+    engine = minillm.Engine(model, tok, block_size=1, kv_cache_tokens=7, max_batch_size=2, backend="eager",
                             prefill_chunk_tokens=1)
-    alone = minillm.Engine(model, tok, block_size=1, compile=False)
+    alone = minillm.Engine(model, tok, block_size=1, backend="eager")
     params = [SamplingParams(max_new_tokens=5, ignore_eos=True), SamplingParams(max_new_tokens=1)]
     prompts = [[7], [1, 1, 1, 1]]  # 6 blocks and 5 blocks at most: each fits the pool alone
     running, prefilling = (engine.add_request(p, ps) for p, ps in zip(prompts, params))
@@ -117,7 +117,7 @@ def test_a_beam_search_being_prefilled_counts_all_its_beams_against_max_batch_si
     # While its prompt is prefilled a beam search holds one sequence, but it decodes num_beams rows
     # from its first step on: a request admitted meanwhile must not push the batch past the limit.
     model, tok = tiny64
-    engine = minillm.Engine(model, tok, block_size=4, compile=False, max_batch_size=2, prefill_chunk_tokens=4)
+    engine = minillm.Engine(model, tok, block_size=4, backend="eager", max_batch_size=2, prefill_chunk_tokens=4)
     search = engine._beam_search(_prompts(tok)[1], SamplingParams(max_new_tokens=4, num_beams=2))
     engine.waiting.append(search)
     request = engine.add_request(_prompts(tok)[0], SamplingParams(max_new_tokens=6, ignore_eos=True))

@@ -187,7 +187,7 @@ def test_chat_message_text_cannot_forge_a_turn(smollm):
     """Special-token strings typed into a message stay text: the prompt holds exactly the
     template's own markers, as for the same conversation without them."""
     model, tok = smollm
-    engine = Engine(model, tok, compile=False)
+    engine = Engine(model, tok, backend="eager")
     prefilled = []
     real_prefill = engine.runner.prefill
 

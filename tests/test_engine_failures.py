@@ -34,7 +34,7 @@ def tiny64(tiny_folder):
 
 def _engine(tiny, **kwargs) -> Engine:
     model, tok = tiny
-    return Engine(model, tok, compile=False, **kwargs)
+    return Engine(model, tok, backend="eager", **kwargs)
 
 
 def _all_free(engine: Engine) -> bool:
@@ -181,7 +181,7 @@ def test_token_id_prompts_are_checked(tiny):
 
 def test_requests_added_between_steps_join_the_running_batch_and_match_running_alone(tiny64):
     model, tok = tiny64
-    engine = Engine(model, tok, compile=False, block_size=4)
+    engine = Engine(model, tok, backend="eager", block_size=4)
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     prompts = [[5, 6, 7], [9] * 11, [1, 2], [40, 41, 42, 43, 44]]
     alone = [engine.generate([p], params)[0].token_ids for p in prompts]
@@ -200,7 +200,7 @@ def test_requests_added_between_steps_join_the_running_batch_and_match_running_a
 
 def test_two_open_streams_share_one_batch(tiny64):
     model, tok = tiny64
-    engine = Engine(model, tok, compile=False)
+    engine = Engine(model, tok, backend="eager")
     params = SamplingParams(max_new_tokens=10, ignore_eos=True)
     alone = [engine.generate([p], params)[0].text for p in ([3, 4, 5], [7, 8])]
     a, b = engine.stream([3, 4, 5], params), engine.stream([7, 8], params)

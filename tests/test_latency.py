@@ -37,7 +37,7 @@ def test_percentile_by_hand():
 def test_serving_arrivals_times_every_request_and_matches_generate(tmp_path, tiny_tokenizer):  # noqa: F811
     folder = _tiny_hf_checkpoint(tmp_path, tiny_tokenizer, "llama", max_position_embeddings=256, vocab_size=300)
     model, tok = load_model(folder, device="cpu", dtype=torch.float64)
-    engine = Engine(model, tok, compile=False, max_batch_size=3)
+    engine = Engine(model, tok, backend="eager", max_batch_size=3)
     prompts = [[1 + i, 2 + i, 3] for i in range(6)]
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (5, 1, 8, 0, 3, 6)]
     rows = serve_arrivals(engine, prompts, params, poisson_arrivals(6, rate_per_s=200.0, seed=0))
@@ -48,7 +48,7 @@ def test_serving_arrivals_times_every_request_and_matches_generate(tmp_path, tin
     assert summary["ttft_p50_ms"] <= summary["ttft_p99_ms"]
     expected = [c.token_ids for c in engine.generate(prompts, params)]
     assert not engine.has_unfinished_requests()
-    served_again = Engine(model, tok, compile=False, max_batch_size=3)
+    served_again = Engine(model, tok, backend="eager", max_batch_size=3)
     requests = [served_again.add_request(p, ps) for p, ps in zip(prompts, params)]
     while served_again.has_unfinished_requests():
         served_again.step()

@@ -34,8 +34,8 @@ def test_the_engine_with_prefix_caching_gives_the_same_answers_and_frees_everyth
     system = tok.encode("To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer")
     prompts = [system + tok.encode(f" the slings {i}") for i in range(6)] + [system[:32]] * 2  # 32: a full hit
     params = SamplingParams(max_new_tokens=6)
-    plain = minillm.Engine(model, tok, block_size=4, compile=False)
-    cached = minillm.Engine(model, tok, block_size=4, compile=False, prefix_caching=True, kv_cache_tokens=256)
+    plain = minillm.Engine(model, tok, block_size=4, backend="eager")
+    cached = minillm.Engine(model, tok, block_size=4, backend="eager", prefix_caching=True, kv_cache_tokens=256)
     free = cached.manager.allocator.num_free
     want = [plain.generate([p], params)[0].token_ids for p in prompts]
     got = [cached.generate([p], params)[0].token_ids for p in prompts]  # one by one: each finds the last's blocks
@@ -69,8 +69,8 @@ def test_the_engine_with_prefix_caching_gives_the_same_answers_and_frees_everyth
 def test_a_small_pool_evicts_cached_prefixes_and_keeps_serving(tiny64):
     model, tok = tiny64
     params = SamplingParams(max_new_tokens=4)
-    plain = minillm.Engine(model, tok, block_size=4, compile=False)
-    small = minillm.Engine(model, tok, block_size=4, compile=False, prefix_caching=True, kv_cache_tokens=48)
+    plain = minillm.Engine(model, tok, block_size=4, backend="eager")
+    small = minillm.Engine(model, tok, block_size=4, backend="eager", prefix_caching=True, kv_cache_tokens=48)
     prompts = [tok.encode(f"Line {i}: now is the winter of our discontent") for i in range(8)]
     for prompt in prompts + prompts[:2]:
         assert small.generate([prompt], params)[0].token_ids == plain.generate([prompt], params)[0].token_ids
@@ -96,8 +96,8 @@ def test_n_completions_compute_their_shared_prompt_once(tiny64, chunk, extra):
     model, tok = tiny64
     prompt = tok.encode("Now is the winter of our discontent made glorious summer by this sun of York")[: 24 + extra]
     params = SamplingParams(max_new_tokens=5, temperature=0.9, seed=7, n=4)
-    plain = minillm.Engine(model, tok, block_size=4, compile=False, prefill_chunk_tokens=chunk)
-    cached = minillm.Engine(model, tok, block_size=4, compile=False, prefix_caching=True, prefill_chunk_tokens=chunk)
+    plain = minillm.Engine(model, tok, block_size=4, backend="eager", prefill_chunk_tokens=chunk)
+    cached = minillm.Engine(model, tok, block_size=4, backend="eager", prefix_caching=True, prefill_chunk_tokens=chunk)
     free = cached.manager.allocator.num_free
     computed = _counting_prefill(cached)
     want = [c.token_ids for c in plain.generate([prompt], params)]
@@ -114,8 +114,8 @@ def test_requests_arriving_together_with_one_system_prompt_compute_it_once(tiny6
     system = tok.encode("To be, or not to be, that is the question: whether 'tis nobler in the mind")[:20]
     questions = [tok.encode(f" and {word}?") for word in ("why", "who", "when", "where", "how", "what")]
     params = SamplingParams(max_new_tokens=4)
-    plain = minillm.Engine(model, tok, block_size=4, compile=False)
-    cached = minillm.Engine(model, tok, block_size=4, compile=False, prefix_caching=True)
+    plain = minillm.Engine(model, tok, block_size=4, backend="eager")
+    cached = minillm.Engine(model, tok, block_size=4, backend="eager", prefix_caching=True)
     computed = _counting_prefill(cached)
     prompts = [system + q for q in questions]
     want = [c.token_ids for c in plain.generate(prompts, params)]
@@ -127,8 +127,8 @@ def test_requests_arriving_together_with_one_system_prompt_compute_it_once(tiny6
 def test_a_beam_search_caches_its_prompt_for_later_requests(tiny64):
     model, tok = tiny64
     prompt = tok.encode("Friends, Romans, countrymen, lend me your ears; I come to bury Caesar")[:16]
-    cached = minillm.Engine(model, tok, block_size=4, compile=False, prefix_caching=True)
-    plain = minillm.Engine(model, tok, block_size=4, compile=False)
+    cached = minillm.Engine(model, tok, block_size=4, backend="eager", prefix_caching=True)
+    plain = minillm.Engine(model, tok, block_size=4, backend="eager")
     beams = SamplingParams(max_new_tokens=4, num_beams=3, n=2)
     assert [c.token_ids for c in cached.generate([prompt], beams)] == \
         [c.token_ids for c in plain.generate([prompt], beams)]
@@ -150,7 +150,7 @@ def _alone(tiny64, prompt, params, index):
     model, tok = tiny64
     key = (id(model), tuple(prompt), repr(params), index)
     if key not in _ALONE:
-        engine = minillm.Engine(model, tok, block_size=4, compile=False)
+        engine = minillm.Engine(model, tok, block_size=4, backend="eager")
         if params.num_beams > 1:
             _ALONE[key] = [c.token_ids for c in engine.generate([prompt], params)]
         else:
@@ -226,7 +226,7 @@ def test_random_request_streams_with_prefix_caching_end_whole_and_answer_as_alon
     exactly as it does alone without prefix caching, and at the end every block is free."""
     model, tok = tiny64
     bs = stream["block_size"]
-    engine = minillm.Engine(model, tok, block_size=bs, kv_cache_tokens=stream["num_blocks"] * bs, compile=False,
+    engine = minillm.Engine(model, tok, block_size=bs, kv_cache_tokens=stream["num_blocks"] * bs, backend="eager",
                             max_batch_size=stream["batch"], prefill_chunk_tokens=stream["chunk"], prefix_caching=True)
     aborted: set[int] = set()
     units = []  # (unit, prompt, params, index among the prompt's n)
@@ -297,7 +297,7 @@ def test_a_held_request_survives_whatever_happens_to_the_prompt_it_waits_for(tin
     params = SamplingParams(max_new_tokens=4)
 
     def engine():
-        return minillm.Engine(model, tok, block_size=4, compile=False, prefix_caching=True, prefill_chunk_tokens=4)
+        return minillm.Engine(model, tok, block_size=4, backend="eager", prefix_caching=True, prefill_chunk_tokens=4)
 
     def finish(e):
         while e.has_unfinished_requests():

@@ -583,7 +583,7 @@ def test_the_default_model_native_is_the_files_size_and_answers_like_float32(smo
         got, exact = native(ids), copy.deepcopy(float_model).double()(ids)
     # float32 *is* the dequantized file: the same weights, the same products up to rounding
     assert _through_layers(got, exact)
-    engine = minillm.Engine(native, tok, compile=False)  # the compiled packed product: tested on small layers above
+    engine = minillm.Engine(native, tok, backend="eager")  # the compiled packed product: tested on small layers above
     assert engine.generate(["The capital of France is"], minillm.SamplingParams(max_new_tokens=2))[0].text.startswith(" Paris")
 
 

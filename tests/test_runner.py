@@ -62,16 +62,16 @@ def test_compiled_engine_equals_eager_engine_and_compiles_two_programs(tiny_llam
     _, model, tok = tiny_llama
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6], list(range(40, 90)), [7]]
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (150, 90, 60, 30)]
-    eager = Engine(model, tok, compile=False, block_size=8).generate(prompts, params)
+    eager = Engine(model, tok, backend="eager", block_size=8).generate(prompts, params)
     torch._dynamo.reset()
     counters.clear()
-    engine = Engine(model, tok, compile=True, block_size=8)
+    engine = Engine(model, tok, backend="compiled", block_size=8)
     compiled = engine.generate(prompts, params)
     assert [c.token_ids for c in compiled] == [c.token_ids for c in eager]
     assert engine.generate([prompts[0]], params[0])[0].token_ids == eager[0].token_ids  # batch 1
     for block_size, pool_tokens in ((16, 700), (5, 900)):  # other block and pool sizes: the same programs
-        other = Engine(model, tok, compile=True, block_size=block_size, kv_cache_tokens=pool_tokens)
-        other_eager = Engine(model, tok, compile=False, block_size=block_size, kv_cache_tokens=pool_tokens)
+        other = Engine(model, tok, backend="compiled", block_size=block_size, kv_cache_tokens=pool_tokens)
+        other_eager = Engine(model, tok, backend="eager", block_size=block_size, kv_cache_tokens=pool_tokens)
         assert [c.token_ids for c in other.generate(prompts, params)] == \
             [c.token_ids for c in other_eager.generate(prompts, params)]
     assert counters["stats"]["unique_graphs"] <= 4  # {layer, head} x {rows=1, rows>1}
@@ -92,30 +92,30 @@ def test_a_model_changed_under_a_running_engine_is_planned_again_and_a_model_who
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [7]]
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     model, tok = load_model(folder, device="cpu")
-    first = Engine(model, tok, compile=True)
+    first = Engine(model, tok, backend="compiled")
     assert first.runner.regions is not None
     first.generate(prompts, params)
     programs = {kind: len(built) for kind, built in runner_module.CompiledRegions._built.items()}
 
     quant.quantize_model(model, "q8_0")  # every layer changes, under the running engine
     assert runner_module.uniform(model, first.cache)
-    eager = [c.token_ids for c in Engine(model, tok, compile=False).generate(prompts, params)]
+    eager = [c.token_ids for c in Engine(model, tok, backend="eager").generate(prompts, params)]
     assert [c.token_ids for c in first.generate(prompts, params)] == eager
     if kernels.vectorized():  # every matrix packed, the table too: the whole step is one C++ call
         assert isinstance(first.runner.regions, runner_module.KernelLayers) and first.runner.regions.whole_step
         assert first.runner._decode == first.runner.regions.decode_step
     else:
         assert all(len(runner_module.CompiledRegions._built[kind]) > programs[kind] for kind in programs)  # new ones
-    assert [c.token_ids for c in Engine(model, tok, compile=True).generate(prompts, params)] == eager
+    assert [c.token_ids for c in Engine(model, tok, backend="compiled").generate(prompts, params)] == eager
 
     mixed, tok = load_model(folder, device="cpu")
     down = mixed.layers[1].mlp.down_proj
     quant.use_blocks(mixed, {"layers.1.mlp.down_proj": ("q8_0", quant.quantize(down.weight, "q8_0"))})
-    engine = Engine(mixed, tok, compile=True)
+    engine = Engine(mixed, tok, backend="compiled")
     assert not runner_module.uniform(mixed, engine.cache)
     assert engine.runner.regions is None  # the whole step
     assert [c.token_ids for c in engine.generate(prompts, params)] == \
-        [c.token_ids for c in Engine(mixed, tok, compile=False).generate(prompts, params)]
+        [c.token_ids for c in Engine(mixed, tok, backend="eager").generate(prompts, params)]
 
 
 @pytest.mark.skipif(not kernels.vectorized(), reason="the packed layer kernel needs the AVX-512 or AVX2 kernels")
@@ -129,7 +129,7 @@ def test_kernel_layers_see_a_matrix_swapped_into_a_later_layer(tiny_llama):
     folder, _, _ = tiny_llama
     model, tok = load_model(folder, device="cpu")
     quant.quantize_model(model, "q8_0")
-    engine = Engine(model, tok, compile=True)
+    engine = Engine(model, tok, backend="compiled")
     prompts, params = [[3, 1, 4, 1, 5], [9, 2, 6]], SamplingParams(max_new_tokens=8, ignore_eos=True)
     engine.generate(prompts, params)
     regions = engine.runner.regions
@@ -183,7 +183,7 @@ def test_a_packed_models_whole_decode_step_is_one_call_and_equals_the_step_in_py
     folder, _, _ = tiny_llama
     model, tok = load_model(folder, device="cpu")
     quant.quantize_model(model, "q4_1")  # the table and the head in Q8_0 (quant.TABLE_FORMAT)
-    engine = Engine(model, tok, compile=True)
+    engine = Engine(model, tok, backend="compiled")
     engine.generate([[3, 1, 4, 1, 5], [9, 2, 6]], SamplingParams(max_new_tokens=4, ignore_eos=True))
     regions = engine.runner.regions
     assert isinstance(regions, runner_module.KernelLayers) and regions.whole_step
@@ -217,7 +217,7 @@ def test_a_short_prefill_runs_as_the_one_call_step_and_agrees_with_the_layer_by_
     folder, _, _ = tiny_llama
     model, tok = load_model(folder, device="cpu")
     quant.quantize_model(model, "q4_1")
-    engine = Engine(model, tok, compile=True, block_size=4)
+    engine = Engine(model, tok, backend="compiled", block_size=4)
     runner, cache = engine.runner, engine.cache
     assert runner.decode_kind == "one C++ call"
     steps: list[int] = []
@@ -275,7 +275,7 @@ def test_on_the_one_call_path_a_rows_logits_do_not_depend_on_the_batch(tiny_llam
     folder, _, _ = tiny_llama
     model, tok = load_model(folder, device="cpu")
     quant.quantize_model(model, "q4_1")
-    engine = Engine(model, tok, compile=True, block_size=4)
+    engine = Engine(model, tok, backend="compiled", block_size=4)
     prompts, params = [[5, 9, 2, 7, 1], [3], [8, 8, 4, 6, 2, 9, 1, 5, 3, 11, 12], [40, 41]], \
         SamplingParams(max_new_tokens=12, ignore_eos=True)
     together = [c.token_ids for c in engine.generate(prompts, params)]
@@ -315,10 +315,10 @@ def test_the_one_call_step_sees_what_no_hook_counts_and_runs_layers_of_different
         return quant.quantize_model(model, "q4_1"), tok
 
     def fresh(model, tok) -> list[list[int]]:  # a new engine plans from the model as it is now
-        return [c.token_ids for c in Engine(model, tok, compile=True).generate(prompts, params)]
+        return [c.token_ids for c in Engine(model, tok, backend="compiled").generate(prompts, params)]
 
     model, tok = packed()
-    engine = Engine(model, tok, compile=True)
+    engine = Engine(model, tok, backend="compiled")
     engine.generate(prompts, params)
     regions = engine.runner.regions
     assert isinstance(regions, runner_module.KernelLayers) and regions.whole_step and regions.still_current()
@@ -343,7 +343,7 @@ def test_the_one_call_step_sees_what_no_hook_counts_and_runs_layers_of_different
     mlp = model.layers[1].mlp
     for name, shape in (("gate_proj", (64, 64)), ("up_proj", (64, 64)), ("down_proj", (64, 64))):
         setattr(mlp, name, quant.QuantizedLinear.from_float(torch.randn(*shape) * 0.1, "q4_1"))
-    engine = Engine(model, tok, compile=True)
+    engine = Engine(model, tok, backend="compiled")
     engine.generate(prompts, params)
     assert isinstance(engine.runner.regions, runner_module.KernelLayers) and engine.runner.regions.whole_step
     _one_call_equals_the_python_step(engine, model)
@@ -351,7 +351,7 @@ def test_the_one_call_step_sees_what_no_hook_counts_and_runs_layers_of_different
     model, tok = packed()
     calls = []
     model.embed_tokens.register_forward_hook(lambda module, args, out: calls.append(out.shape))
-    engine = Engine(model, tok, compile=True)
+    engine = Engine(model, tok, backend="compiled")
     engine.generate(prompts, params)
     assert not engine.runner.regions.whole_step and len(calls) >= params.max_new_tokens
 
@@ -375,7 +375,7 @@ def test_regions_check_the_guards_of_each_new_signature_once(tiny_llama, monkeyp
     """A program's guards run the first time a signature (the step tensors' shapes) comes by,
     never again for it; a signature no program accepts gets a program of its own."""
     _, model, tok = tiny_llama
-    engine = Engine(model, tok, compile=True, block_size=8)
+    engine = Engine(model, tok, backend="compiled", block_size=8)
     engine.generate([[3, 1, 4]], SamplingParams(max_new_tokens=4, ignore_eos=True))  # builds (or finds) the programs
     checks: list[object] = []
     original = runner_module._guards_pass
@@ -404,7 +404,7 @@ def test_compiled_engine_matches_transformers_on_tiny_checkpoints(tmp_path, tiny
     model, tok = load_model(folder, device="cpu")
     reference = hf_causal_lm(folder)
     prompts = ["To be, or not to be", "The king", "Now is the winter of our discontent made glorious"]
-    ours = Engine(model, tok, compile=True).generate(prompts, SamplingParams(max_new_tokens=40, ignore_eos=True))
+    ours = Engine(model, tok, backend="compiled").generate(prompts, SamplingParams(max_new_tokens=40, ignore_eos=True))
     for prompt, completion in zip(prompts, ours):
         x = torch.tensor([tok.encode(prompt)])
         expected = reference.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=40,

@@ -268,7 +268,7 @@ def tiny_folder(tmp_path_factory, tiny_tokenizer) -> Path:  # noqa: F811
 @pytest.fixture(scope="module")
 def tiny(tiny_folder) -> Iterator[tuple[Served, Engine]]:
     model, tok = load_model(tiny_folder, device="cpu")
-    engine = Engine(model, tok, compile=False, kv_cache_tokens=2048)
+    engine = Engine(model, tok, backend="eager", kv_cache_tokens=2048)
     with serving(engine, "tiny") as served:
         yield served, engine
 
@@ -380,7 +380,7 @@ def test_two_servers_in_one_process_count_their_own_metrics(tiny, tiny_folder):
     served, _ = tiny
     before = served.wait_until_idle()["minillm_prompt_tokens_total"]
     model, tok = load_model(tiny_folder, device="cpu")
-    with serving(Engine(model, tok, compile=False, kv_cache_tokens=2048), "other") as other:
+    with serving(Engine(model, tok, backend="eager", kv_cache_tokens=2048), "other") as other:
         assert other.metrics()["minillm_prompt_tokens_total"] == 0
         reply = other.client.completions.create(model="other", prompt="hi", max_tokens=2)
         assert other.wait_until_idle()["minillm_prompt_tokens_total"] == reply.usage.prompt_tokens
