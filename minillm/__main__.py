@@ -15,8 +15,11 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING
 
-# load_model's weight formats (kept here so `--help` does not import torch)
+# load_model's weight formats and the engine's backends (kept here so `--help` does not import torch)
 WEIGHTS = ("float32", "bfloat16", "native", "q8_0", "q4_0", "q4_1")
+BACKENDS = ("eager", "compiled", "packed-cpu")
+BACKEND_HELP = ("how steps run: eager (the notebooks' PyTorch), compiled (torch.compile) or packed-cpu (C++ kernels, "
+                "for packed weights on a CPU); default: the fastest that applies")
 
 
 if TYPE_CHECKING:
@@ -43,9 +46,10 @@ def demo() -> None:
     print(f"validate(): {'all three checks ok' if report.ok else report}")
 
     engine = Engine(model, tok)
+    print(f"backend: {engine.backend}")
     # Compile the decode step first (one row; several rows), so the speeds below are the engine's own
-    # (a packed model on the CPU kernels has nothing to compile: its step is one C++ call).
-    if engine.runner.decode_kind == "compiled":
+    # (the packed-cpu backend has nothing to compile: its step is one C++ call).
+    if engine.backend == "compiled":
         print("compiling the decode step (about a minute the very first time, seconds once cached)...", flush=True)
     engine.generate(["Hello"], SamplingParams(max_new_tokens=2))
     engine.generate(["Hello", "Hi"], SamplingParams(max_new_tokens=2))
@@ -62,8 +66,7 @@ def demo() -> None:
     assert stream.completion is not None
     n_tokens = len(stream.completion.token_ids)
     print(f"\n[{n_tokens} tokens in {elapsed:.2f} s, prefill included: {n_tokens / elapsed:.1f} tokens/s, batch 1, "
-          f"decode step: {engine.runner.decode_kind}"
-          f"{f', compiled in {compile_s:.0f} s' if engine.runner.decode_kind == 'compiled' else ''}]")
+          f"backend {engine.backend}{f', compiled in {compile_s:.0f} s' if compile_s else ''}]")
 
     prompts = ["The three primary colors are", "def is_prime(n):", "A haiku about the sea:", "The speed of light is"]
     start = time.perf_counter()
@@ -109,31 +112,22 @@ def _load(args: argparse.Namespace) -> tuple[Transformer, Tokenizer]:
 
 def generate(args: argparse.Namespace) -> None:
     from minillm.engine import Engine
-    from minillm.generate import generate_greedy
 
     params = _sampling_params(args)  # validated before the model loads
-    if args.cache != "paged" and not (params.is_greedy and params.num_beams == 1 and params.n == 1):
-        raise ValueError("--cache none/contiguous decode greedily only; sampling, beams and --n need --cache paged")
     model, tok = _load(args)
     if args.chat:  # the prompt is a user message: its text never parses as special tokens
         prompt_ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
                       for p in args.prompt]
     else:
         prompt_ids = [tok.encode(p) for p in args.prompt]
+    engine = Engine(model, tok, block_size=args.block_size, backend=args.backend)
     start = time.perf_counter()
-    if args.cache == "paged":
-        engine = Engine(model, tok, block_size=args.block_size)
-        results = [(c.text, c.token_ids) for c in engine.generate(prompt_ids, params)]
-        originals = [p for p in args.prompt for _ in range(params.n)]
-    else:
-        outputs = generate_greedy(model, prompt_ids, params.max_new_tokens, tok.eos_id,
-                                  cache=args.cache, pad_id=tok.pad_id or 0)
-        results = [(tok.decode(ids, skip_special_tokens=True), ids) for ids in outputs]
-        originals = list(args.prompt)
+    results = [(c.text, c.token_ids) for c in engine.generate(prompt_ids, params)]
+    originals = [p for p in args.prompt for _ in range(params.n)]
     elapsed = time.perf_counter() - start
     n_tokens = sum(len(ids) for _, ids in results)
-    print(f"minillm: {n_tokens} tokens in {elapsed:.2f} s ({n_tokens / elapsed:.1f} tokens/s, cache={args.cache})",
-          file=sys.stderr)
+    print(f"minillm: {n_tokens} tokens in {elapsed:.2f} s ({n_tokens / elapsed:.1f} tokens/s, "
+          f"backend {engine.backend})", file=sys.stderr)
     for prompt, (text, ids) in zip(originals, results):
         if args.json:
             print(json.dumps({"prompt": prompt, "text": text, "token_ids": ids}, ensure_ascii=False))
@@ -152,7 +146,7 @@ def chat(args: argparse.Namespace) -> None:
 
     params = _sampling_params(args)
     model, tok = _load(args)
-    engine = Engine(model, tok)
+    engine = Engine(model, tok, backend=args.backend)
     messages: list[dict[str, str]] = []
     print("minillm chat — an empty line, Ctrl-D or Ctrl-C quits; Ctrl-C during an answer stops it.", file=sys.stderr)
     while True:
@@ -202,11 +196,12 @@ def serve(args: argparse.Namespace) -> None:
         raise RuntimeError(f"cannot listen on {args.host}:{args.port}: {err.strerror or err}") from err
     model, tok = _load(args)
     engine = Engine(model, tok, max_batch_size=args.max_batch_size, prefix_caching=not args.no_prefix_caching,
-                    prefill_chunk_tokens=args.prefill_chunk_tokens or None)
+                    prefill_chunk_tokens=args.prefill_chunk_tokens or None, backend=args.backend)
     name = model_name(args.model)
     host = f"[{args.host}]" if family == socket.AF_INET6 else args.host
     print(f"minillm: serving {name} at http://{host}:{args.port}/ (the chat page; the OpenAI API under /v1, "
-          f"/metrics, /health). Compiling the decode step first: /health says 'ok' once it is done.", file=sys.stderr)
+          f"/metrics, /health), backend {engine.backend}. /health says 'ok' once the first step has run.",
+          file=sys.stderr)
     run_server(engine, sock, name)
 
 
@@ -251,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
                          help="how the matrices are stored (notebook 11): native (a GGUF's own Q4_1/Q8_0 blocks, "
                               "run packed: the default for such a file on a CPU, float32's quality from 5.5x fewer "
                               "bytes), float32 (the default otherwise), bfloat16, or q8_0/q4_0/q4_1 quantized at load")
+        sub.add_argument("--backend", default=None, choices=BACKENDS, help=BACKEND_HELP)
         sub.add_argument("--max-new-tokens", type=int, default=64)
         sub.add_argument("--temperature", type=float, default=0.0, help="0 decodes greedily (the default)")
         sub.add_argument("--top-k", type=int, default=0)
@@ -265,8 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     gen = commands.add_parser("generate", help="complete prompts with a real model")
     gen.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
     add_model_and_sampling(gen)
-    gen.add_argument("--cache", choices=["none", "contiguous", "paged"], default="paged")
-    gen.add_argument("--block-size", type=_positive, default=16, help="tokens per KV block (paged cache)")
+    gen.add_argument("--block-size", type=_positive, default=16, help="tokens per KV block of the paged cache")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template as a user turn")
     gen.add_argument("--json", action="store_true", help="one JSON object per completion, in prompt order")
 
@@ -287,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     serve_parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     serve_parser.add_argument("--weights", default=None, choices=WEIGHTS,
                               help="how the matrices are stored (as for generate)")
+    serve_parser.add_argument("--backend", default=None, choices=BACKENDS, help=BACKEND_HELP)
     serve_parser.add_argument("--max-batch-size", type=_positive, default=16,
                               help="most requests decoded together in one step (default: 16); more wait in the queue")
 

@@ -1,4 +1,6 @@
-"""Greedy generation three ways: full recompute, a contiguous KV cache, a paged KV cache.
+"""Greedy generation three ways, as notebooks 06-08 build it: full recompute, a contiguous KV
+cache, a paged KV cache. Teaching references: the engine (``minillm.engine``) is what every user
+path runs; these loops are what it is checked against.
 
 All three must produce the same tokens; they differ only in how much work and memory a step
 costs. Recompute runs the whole sequence again for every new token (O(t^2) over t tokens);
@@ -15,8 +17,6 @@ import torch
 from minillm.cache import ContiguousKVCache, PagedKVCache
 from minillm.model.llama import Transformer
 from minillm.tokenizer.bpe import pad_batch
-
-CACHE_KINDS = ("none", "contiguous", "paged")
 
 
 def _check_request(prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
@@ -94,7 +94,7 @@ def greedy_paged(model: Transformer, prompts: Sequence[Sequence[int]], max_new_t
         if max_new_tokens == 0:
             break
         cache.add_sequence(seq_id)
-        logits = model(torch.tensor([list(prompt)], device=model.device), cache=cache.prepare([seq_id], len(prompt)), last_only=True)
+        logits = model(torch.tensor([list(prompt)], device=model.device), paged=cache.prepare([seq_id], len(prompt)), last_only=True)
         last_token[seq_id] = int(logits[0, -1].argmax())
     active = []
     for seq_id, token in last_token.items():
@@ -105,7 +105,7 @@ def greedy_paged(model: Transformer, prompts: Sequence[Sequence[int]], max_new_t
             active.append(seq_id)
     while active:
         step_ids = torch.tensor([[last_token[s]] for s in active], device=model.device)
-        logits = model(step_ids, cache=cache.prepare(active, 1), last_only=True)
+        logits = model(step_ids, paged=cache.prepare(active, 1), last_only=True)
         still_active = []
         for seq_id, token in zip(active, logits[:, -1].argmax(-1).tolist()):
             outputs[seq_id].append(token)
@@ -116,22 +116,3 @@ def greedy_paged(model: Transformer, prompts: Sequence[Sequence[int]], max_new_t
                 still_active.append(seq_id)
         active = still_active
     return outputs
-
-
-def generate_greedy(
-    model: Transformer,
-    prompts: Sequence[Sequence[int]],
-    max_new_tokens: int,
-    eos_token_id: int | None = None,
-    cache: str = "paged",
-    block_size: int = 16,
-    pad_id: int = 0,
-) -> list[list[int]]:
-    """Greedy completions of several prompts with the chosen cache (``none``, ``contiguous``, ``paged``)."""
-    if cache == "none":
-        return [greedy_recompute(model, p, max_new_tokens, eos_token_id) for p in prompts]
-    if cache == "contiguous":
-        return greedy_contiguous(model, prompts, max_new_tokens, eos_token_id, pad_id)
-    if cache == "paged":
-        return greedy_paged(model, prompts, max_new_tokens, eos_token_id, block_size)
-    raise ValueError(f"cache must be one of {', '.join(CACHE_KINDS)}, got {cache!r}")

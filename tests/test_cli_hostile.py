@@ -27,7 +27,7 @@ def tiny_folder(tmp_path_factory, tiny_tokenizer):  # noqa: F811
 def test_a_reader_that_goes_away_ends_the_cli_quietly(tiny_folder):
     """`generate ... | head -c 10`: the pipe closes before the output is written."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "minillm", "generate", "--model", str(tiny_folder), "--cache", "contiguous",
+        [sys.executable, "-m", "minillm", "generate", "--model", str(tiny_folder), "--backend", "eager",
          "--max-new-tokens", "4", "--json"] + ["--prompt", "the king"] * 50,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO)
     process.stdout.close()  # the reader is gone before the first line

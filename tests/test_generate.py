@@ -85,7 +85,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 def test_cli_generate_json_rows_in_prompt_order(prompt_ids, transformers_greedy):
     result = _cli("generate", "--prompt", PROMPTS[1], "--prompt", PROMPTS[0], "--max-new-tokens", "8",
-                  "--cache", "paged", "--block-size", str(ODD_BLOCK), "--json")
+                  "--block-size", str(ODD_BLOCK), "--json")
     assert result.returncode == 0, result.stderr
     rows = [json.loads(line) for line in result.stdout.splitlines()]
     assert [r["prompt"] for r in rows] == [PROMPTS[1], PROMPTS[0]]
@@ -95,7 +95,7 @@ def test_cli_generate_json_rows_in_prompt_order(prompt_ids, transformers_greedy)
 
 
 def test_cli_plain_output_is_only_the_completion():
-    result = _cli("generate", "--prompt", PROMPTS[0], "--max-new-tokens", "3", "--cache", "contiguous")
+    result = _cli("generate", "--prompt", PROMPTS[0], "--max-new-tokens", "3")
     assert result.returncode == 0, result.stderr
     assert result.stdout == " Paris.\n\n"  # the completion " Paris.\n", then print's newline
 

@@ -592,7 +592,7 @@ def test_the_cli_offers_load_models_weight_formats_and_runs_one(capsys):
     from minillm.model import loading
 
     assert cli.WEIGHTS == loading.WEIGHTS
-    assert cli.main(["generate", "--weights", "native", "--cache", "contiguous", "--max-new-tokens", "3",
+    assert cli.main(["generate", "--weights", "native", "--max-new-tokens", "3",
                      "--prompt", "The capital of France is"]) == 0
     out = capsys.readouterr()
     assert out.out.startswith(" Paris") and "(native weights)" in out.err
