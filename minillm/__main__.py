@@ -234,12 +234,6 @@ def _positive(value: str) -> int:
     return number
 
 
-def _names(value: str) -> tuple[str, ...]:
-    """A comma-separated list of names ('none' or nothing: no names)."""
-    names = tuple(name.strip() for name in value.split(",") if name.strip())
-    return () if names == ("none",) else names
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="minillm", description="An LLM inference engine built from scratch.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -336,29 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "bench":
             from minillm import bench as benchmarks
 
-            run, report = {
-                "model": (lambda: benchmarks.bench_model(args.device, args.dtype, source=args.model),
-                          benchmarks.print_model_report),
-                "cpu": (benchmarks.bench_cpu_settings, benchmarks.print_cpu_settings_report),
-                "tokenizer": (benchmarks.bench_tokenizer, benchmarks.print_tokenizer_report),
-                "cache": (benchmarks.bench_cache, benchmarks.print_cache_report),
-                "batching": (benchmarks.bench_batching, benchmarks.print_batching_report),
-                "context": (benchmarks.bench_context, benchmarks.print_context_report),
-                "latency": (benchmarks.bench_latency, benchmarks.print_latency_report),
-                "quant": (benchmarks.bench_quant, benchmarks.print_quant_report),
-                "scheduler": (benchmarks.bench_scheduler, benchmarks.print_scheduler_report),
-                "serve": (lambda: benchmarks.bench_serve(
-                    args.requests, args.rate, args.max_tokens, args.system_tokens, args.rounds, args.seed,
-                    source=args.model, device=args.device, dtype=args.dtype, max_batch_size=args.max_batch_size,
-                    minillm_configs=_names(args.minillm_configs), transformers_modes=_names(args.transformers_modes)),
-                    benchmarks.print_serve_report),
-                "load": (benchmarks.bench_load, lambda r: print(f"load_model() after conversion: {r['load_s']:.2f} s")),
-            }[args.target]
-            results = run()
-            if args.json:
-                print(json.dumps(results))
-            else:
-                report(results)
+            benchmarks.main(args)
     except (FileNotFoundError, ValueError, TypeError, MemoryError, RuntimeError) as err:
         if os.environ.get("MINILLM_DEBUG"):
             raise
