@@ -292,9 +292,9 @@ def main(argv: list[str] | None = None) -> int:
                               help="compute every prompt in full instead of reusing cached blocks of a shared prefix")
     bench = commands.add_parser("bench", help="benchmarks against the reference libraries")
     bench.add_argument("target", nargs="?", default="model", choices=["model", "cpu", "tokenizer", "cache", "batching", "context", "latency", "load", "quant", "scheduler",
-                                                               "serve"])
+                                                               "serve", "gpu"])
     bench.add_argument("--json", action="store_true", help="print the results as one JSON object")
-    bench.add_argument("--device", default=None, help="model and serve benchmarks: device (default: cuda if available)")
+    bench.add_argument("--device", default=None, help="model, serve and gpu benchmarks: device (default: cuda if available)")
     bench.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     bench.add_argument("--model", type=Path, default=None,
                        help="model and serve benchmarks: a .gguf file or HF checkpoint folder both libraries read (default: SmolLM2-135M-Instruct)")
@@ -316,6 +316,14 @@ def main(argv: list[str] | None = None) -> int:
     load.add_argument("--transformers-modes", default="cb,generate",
                       help="transformers serve modes, comma-separated: cb (--continuous-batching), generate (one "
                            "generate() at a time); 'none' skips transformers (default: cb,generate)")
+    gpu = bench.add_argument_group("gpu check (`bench gpu prepare ASSETS` here, then `bench gpu run ASSETS --out DIR` "
+                                   "on a CUDA machine, carrying ASSETS: SmolLM2-135M's shapes, random weights)")
+    gpu.add_argument("step", nargs="?", default="run", choices=["prepare", "run"],
+                     help="prepare: copy the config and tokenizer into ASSETS; run: the check (default)")
+    gpu.add_argument("assets", nargs="?", type=Path, default=Path(".gpu"),
+                     help="the folder for config.json and tokenizer.json (default: .gpu)")
+    gpu.add_argument("--out", type=Path, default=Path("."), help="where gpu_check.json is written (default: .)")
+    gpu.add_argument("--new-tokens", type=_positive, default=128, help="tokens per decode (default: 128)")
     args = parser.parse_args(argv)
 
     try:

@@ -19,6 +19,7 @@ from minillm.bench import (
     cache,
     context,
     cpu,
+    gpu,
     latency,
     load,
     model,
@@ -79,6 +80,7 @@ BENCHMARKS: dict[str, tuple[Callable[[argparse.Namespace], dict[str, Any]], Call
     "quant": (quant.run, print_quant_report),
     "scheduler": (scheduler.run, print_scheduler_report),
     "serve": (serve.run, print_serve_report),
+    "gpu": (gpu.run, gpu.print_gpu_report),
 }
 
 
