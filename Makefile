@@ -54,6 +54,8 @@ lab: setup
 	$(PYTHON) -m jupyter trust notebooks/*.ipynb
 	$(PYTHON) -m jupyter lab notebooks
 
+# Every benchmark but `bench gpu`, the check for a lent CUDA machine: `python -m minillm bench gpu
+# prepare .gpu` here, then `python -m minillm bench gpu run .gpu --out DIR` there, carrying .gpu.
 bench: setup
 	$(PYTHON) -m minillm bench model
 	$(PYTHON) -m minillm bench cpu  # compiles each thread count x dtype afresh: the slowest (~5 min on 2 cores)

@@ -229,12 +229,6 @@ def _positive(value: str) -> int:
     return number
 
 
-def _names(value: str) -> tuple[str, ...]:
-    """A comma-separated list of names ('none' or nothing: no names)."""
-    names = tuple(name.strip() for name in value.split(",") if name.strip())
-    return () if names == ("none",) else names
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="minillm", description="An LLM inference engine built from scratch.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -294,9 +288,9 @@ def main(argv: list[str] | None = None) -> int:
                               help="compute every prompt in full instead of reusing cached blocks of a shared prefix")
     bench = commands.add_parser("bench", help="benchmarks against the reference libraries")
     bench.add_argument("target", nargs="?", default="model", choices=["model", "cpu", "tokenizer", "cache", "batching", "context", "latency", "load", "quant", "scheduler",
-                                                               "serve"])
+                                                               "serve", "gpu"])
     bench.add_argument("--json", action="store_true", help="print the results as one JSON object")
-    bench.add_argument("--device", default=None, help="model and serve benchmarks: device (default: cuda if available)")
+    bench.add_argument("--device", default=None, help="model, serve and gpu benchmarks: device (default: cuda if available)")
     bench.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     bench.add_argument("--model", type=Path, default=None,
                        help="model and serve benchmarks: a .gguf file or HF checkpoint folder both libraries read (default: SmolLM2-135M-Instruct)")
@@ -318,6 +312,14 @@ def main(argv: list[str] | None = None) -> int:
     load.add_argument("--transformers-modes", default="cb,generate",
                       help="transformers serve modes, comma-separated: cb (--continuous-batching), generate (one "
                            "generate() at a time); 'none' skips transformers (default: cb,generate)")
+    gpu = bench.add_argument_group("gpu check (`bench gpu prepare ASSETS` here, then `bench gpu run ASSETS --out DIR` "
+                                   "on a CUDA machine, carrying ASSETS: SmolLM2-135M's shapes, random weights)")
+    gpu.add_argument("step", nargs="?", default="run", choices=["prepare", "run"],
+                     help="prepare: copy the config and tokenizer into ASSETS; run: the check (default)")
+    gpu.add_argument("assets", nargs="?", type=Path, default=Path(".gpu"),
+                     help="the folder for config.json and tokenizer.json (default: .gpu)")
+    gpu.add_argument("--out", type=Path, default=Path("."), help="where gpu_check.json is written (default: .)")
+    gpu.add_argument("--new-tokens", type=_positive, default=128, help="tokens per decode (default: 128)")
     args = parser.parse_args(argv)
 
     try:
@@ -332,29 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "bench":
             from minillm import bench as benchmarks
 
-            run, report = {
-                "model": (lambda: benchmarks.bench_model(args.device, args.dtype, source=args.model),
-                          benchmarks.print_model_report),
-                "cpu": (benchmarks.bench_cpu_settings, benchmarks.print_cpu_settings_report),
-                "tokenizer": (benchmarks.bench_tokenizer, benchmarks.print_tokenizer_report),
-                "cache": (benchmarks.bench_cache, benchmarks.print_cache_report),
-                "batching": (benchmarks.bench_batching, benchmarks.print_batching_report),
-                "context": (benchmarks.bench_context, benchmarks.print_context_report),
-                "latency": (benchmarks.bench_latency, benchmarks.print_latency_report),
-                "quant": (benchmarks.bench_quant, benchmarks.print_quant_report),
-                "scheduler": (benchmarks.bench_scheduler, benchmarks.print_scheduler_report),
-                "serve": (lambda: benchmarks.bench_serve(
-                    args.requests, args.rate, args.max_tokens, args.system_tokens, args.rounds, args.seed,
-                    source=args.model, device=args.device, dtype=args.dtype, max_batch_size=args.max_batch_size,
-                    minillm_configs=_names(args.minillm_configs), transformers_modes=_names(args.transformers_modes)),
-                    benchmarks.print_serve_report),
-                "load": (benchmarks.bench_load, lambda r: print(f"load_model() after conversion: {r['load_s']:.2f} s")),
-            }[args.target]
-            results = run()
-            if args.json:
-                print(json.dumps(results))
-            else:
-                report(results)
+            benchmarks.main(args)
     except (FileNotFoundError, ValueError, TypeError, MemoryError, RuntimeError) as err:
         if os.environ.get("MINILLM_DEBUG"):
             raise
