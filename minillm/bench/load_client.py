@@ -189,12 +189,10 @@ def free_port() -> int:
 
 def children_env() -> dict[str, str]:
     """The servers' environment: offline, unbuffered, and this very minillm importable."""
-    import minillm
-
     env = dict(os.environ)
     env["HF_HUB_OFFLINE"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
-    root = str(Path(minillm.__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])  # the folder that holds minillm/
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
 
