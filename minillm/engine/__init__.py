@@ -1,8 +1,19 @@
 """The engine: requests, continuous batching on the paged KV cache, beam search, stop rules,
-all run by one compiled decode step (``ModelRunner``)."""
+all run by one compiled decode step (``ModelRunner``); the scheduler's policy in pure Python.
 
-from minillm.engine.engine import Engine, prefill_chunk_sizes
-from minillm.engine.request import Completion, StopStringFilter
-from minillm.engine.runner import ModelRunner
+Names are imported on first use, so ``import minillm.engine.scheduler`` stays torch-free.
+"""
 
-__all__ = ["Completion", "Engine", "ModelRunner", "StopStringFilter", "prefill_chunk_sizes"]
+from minillm.lazy import lazy_exports
+
+__getattr__, __dir__ = lazy_exports(__name__, {
+    "Completion": "request",
+    "Engine": "engine",
+    "ModelRunner": "runner",
+    "ScheduledBatch": "scheduler",
+    "Scheduler": "scheduler",
+    "SequenceGroup": "sequence",
+    "StopStringFilter": "request",
+    "prefill_chunk_sizes": "scheduler",
+})
+__all__ = __dir__()
