@@ -25,14 +25,16 @@ from collections.abc import Callable
 
 import torch
 
-from minillm.cache.paged import BlockManager
+from minillm.cache.block_manager import BlockManager
+from minillm.engine.sequence import SequenceGroup
 from minillm.sampling import RepetitionPenalty, SamplingParams
 
 _DEAD = -1.0e9  # the score transformers uses to rule a candidate out
 
 
-class BeamSearch:
-    """The state of one prompt's beam search: its running beams and finished hypotheses."""
+class BeamSearch(SequenceGroup):
+    """The state of one prompt's beam search: its running beams and finished hypotheses. As a
+    unit of scheduling it prefills its prompt as one sequence, then decodes ``num_beams`` rows."""
 
     def __init__(self, prompt_ids: list[int], params: SamplingParams, eos_ids: frozenset[int],
                  new_seq_id: Callable[[], int]) -> None:
@@ -52,6 +54,10 @@ class BeamSearch:
         self.done = self.params.max_new_tokens == 0
 
     @property
+    def seats(self) -> int:
+        return self.params.num_beams
+
+    @property
     def seq_ids(self) -> list[int]:
         return [seq_id for seq_id, _, _ in self.beams]
 
@@ -61,8 +67,20 @@ class BeamSearch:
         self.beams = [(root, [], 0.0)]
         return root
 
+    def prefill_tokens(self) -> list[int]:
+        return self.prompt_ids
+
     def last_tokens(self) -> list[int]:
-        return [tokens[-1] for _, tokens, _ in self.beams]
+        return [tokens[-1] for _, tokens, _ in self.beams if tokens]
+
+    def prefix_tokens(self) -> list[int]:
+        return self.prompt_ids
+
+    def preempt(self) -> None:
+        self.restart()
+
+    def abort(self) -> None:
+        self.done = True
 
     def advance(self, logits: torch.Tensor, manager: BlockManager) -> None:
         """One search step from the beams' next-token logits [beams, vocab]: keep the best

@@ -1,35 +1,16 @@
 """The engine: many requests, one model, one paged KV cache, continuous batching.
 
-Every step the scheduler does three things:
+The policy is the scheduler's (``scheduler.py``: admit, prefill in chunks, decode, retire,
+preempt, in pure Python); the engine owns the model, the cache and the requests, and runs what
+the scheduler plans. Each ``step()`` has two forwards: a packed prefill of the prompts being
+computed, then one batched decode step for every running row (``ModelRunner.prefill`` and
+``ModelRunner.decode``). After each, every unit that gets a token takes it from its rows of the
+logits: the requests' rows in one ``sample_batch`` call, a beam search's in its own search step
+(``BeamSearch.advance``); both kinds run in the same forwards.
 
-1. **admit** waiting requests while there is room in the batch and in the block pool (it
-   *asks* the ``BlockManager``); the prompts admitted together are prefilled in one packed
-   forward, and each samples its first token. With ``prefix_caching`` a prompt first takes
-   the cached blocks of its longest known prefix and computes only the rest; with
-   ``prefill_chunk_tokens`` at most that many prompt tokens are computed per step, so a long
-   prompt is spread over several steps instead of stalling everyone's next token;
-2. **decode** one token for every running row in a single batched, compiled step
-   (``ModelRunner.decode``): the rows have different lengths, and each reads its own keys
-   through its block table;
-3. **retire** finished requests at once, handing their blocks back to the pool, so a waiting
-   request can join the running batch on the very next step.
-
-That last point is *continuous batching*: the batch is refilled token by token instead of
-waiting for its slowest member, which is why throughput scales with the number of requests.
-A request that finishes during its prefill (one new token, a stop string, EOS first) simply
-leaves room for the next admission.
-
-A request is a ``Request`` (one row) or a ``BeamSearch`` (``num_beams`` rows); both run in
-the same step, and all sampled rows of a step go through one ``sample_batch`` call.
-
-If a decode step finds the pool short, the most recently admitted request is *preempted*:
-its blocks are freed and it goes back to the front of the queue, to be prefilled again
-(prompt + tokens so far) when room returns. Its output is unchanged, only recomputed.
-
-The scheduler's state lives in the engine (``waiting``, ``running``), and ``step()`` runs one
-iteration of it, so requests can arrive while others run: ``add_request`` queues one,
-``step()`` admits, decodes and retires, ``abort`` ends one at once. ``generate``, ``stream``
-and a server are loops over ``step()``; two open streams share the same running batch.
+Requests can arrive while others run: ``add_request`` queues one, ``step()`` runs one iteration
+of the scheduler, ``abort`` ends one at once. ``generate``, ``stream`` and a server are loops
+over ``step()``; two open streams share the same running batch.
 
 Whatever ends a request early — a stream abandoned with ``break`` or ``close()``, an exception
 in the caller's loop, Ctrl-C or an error in the middle of a step — its sequences are freed on
@@ -40,33 +21,21 @@ where it started and the engine keeps serving.
 from __future__ import annotations
 
 import math
-from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from typing import Union
 
 import torch
 
-from minillm.cache import BlockManager, OutOfBlocksError, PagedKVCache
+from minillm.cache import BlockManager, PagedKVCache
 from minillm.engine.beam import BeamSearch
 from minillm.engine.request import Completion, Request
 from minillm.engine.runner import ModelRunner
+from minillm.engine.scheduler import ScheduledBatch, Scheduler
 from minillm.model.llama import Transformer
 from minillm.sampling import SamplingParams, SamplingState, make_generator, sample_batch
 from minillm.tokenizer import Tokenizer
 
-Unit = Union[Request, BeamSearch]  # what the scheduler admits, runs and retires
-Prompt = Union[str, Sequence[int]]  # text, or token ids used as they are
-
-
-@dataclass
-class Prefill:
-    """An admitted unit whose prompt is being computed: its sequence, and the tokens still to go."""
-
-    unit: Unit
-    seq_id: int
-    tokens: list[int]
-    pending_keys: list[int]  # prefix keys of the full blocks it computes (with prefix caching)
+Unit = Request | BeamSearch  # the sequence groups the engine makes (``sequence.SequenceGroup``)
+Prompt = str | Sequence[int]  # text, or token ids used as they are
 
 
 class TextStream:
@@ -142,13 +111,11 @@ class Engine:
         max_batch_size = _positive_int("max_batch_size", max_batch_size)
         if prefill_chunk_tokens is not None:
             prefill_chunk_tokens = _positive_int("prefill_chunk_tokens", prefill_chunk_tokens)
-        self.prefill_chunk_tokens = prefill_chunk_tokens
         block_size = _positive_int("block_size", block_size)
         if kv_cache_tokens is not None:
             kv_cache_tokens = _positive_int("kv_cache_tokens", kv_cache_tokens)
         self.model = model
         self.tokenizer = tokenizer
-        self.max_batch_size = max_batch_size
         tokens = kv_cache_tokens or max_batch_size * 1024
         num_blocks = math.ceil(tokens / block_size)
         try:
@@ -162,13 +129,8 @@ class Engine:
         self.runner = ModelRunner(model, self.cache, backend)
         default_eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
         self.eos_ids = frozenset(eos_ids if eos_ids is not None else default_eos)
+        self.scheduler = Scheduler(self.cache.manager, max_batch_size, prefill_chunk_tokens)
         self._next_seq_id = 0
-        self.waiting: deque[Unit] = deque()  # queued, in arrival order (preempted ones go back to the front)
-        self.running: list[Unit] = []  # holding KV blocks, decoded every step
-        self.prefilling: list[Prefill] = []  # admitted, their prompts being computed chunk by chunk
-        self.preemptions = 0  # requests sent back to the queue because the pool ran out
-        self.prompt_tokens = 0  # prompt tokens admitted (recomputed ones of preempted requests too)
-        self.cached_prompt_tokens = 0  # of those, found in the prefix cache instead of computed
 
     @property
     def backend(self) -> str:
@@ -179,6 +141,16 @@ class Engine:
     def manager(self) -> BlockManager:
         """The pool's bookkeeping, which the scheduler asks whether work fits."""
         return self.cache.manager
+
+    # the scheduler's settings, queues and counters, read here too (the server's metrics, the notebooks)
+    max_batch_size = property(lambda self: self.scheduler.max_batch_size)
+    prefill_chunk_tokens = property(lambda self: self.scheduler.prefill_chunk_tokens)
+    waiting = property(lambda self: self.scheduler.waiting)  # deque[Unit], in arrival order
+    prefilling = property(lambda self: self.scheduler.prefilling)  # list[Prefill]
+    running = property(lambda self: self.scheduler.running)  # list[Unit]
+    preemptions = property(lambda self: self.scheduler.preemptions)
+    prompt_tokens = property(lambda self: self.scheduler.prompt_tokens)
+    cached_prompt_tokens = property(lambda self: self.scheduler.cached_prompt_tokens)
 
     # ------------------------------------------------------------------ public API
     def generate(
@@ -192,20 +164,18 @@ class Engine:
             raise TypeError(f"prompts must be a list of prompts (each a str or a list of token ids), "
                             f"got {type(prompts).__name__}")
         per_prompt = self._params_per_prompt(prompts, params)
-        units: list[Unit] = []
-        for prompt, ps in zip(prompts, per_prompt):
-            if ps.num_beams > 1:
-                units.append(self._beam_search(prompt, ps))
-            else:
-                units.extend(self._request(prompt, ps, i) for i in range(ps.n))
-        for _ in self._run(units):
+        groups: list[list[Unit]] = [  # each prompt's units: its beam search, or its n sampled completions
+            [self._beam_search(prompt, ps)] if ps.num_beams > 1 else [self._request(prompt, ps, i) for i in range(ps.n)]
+            for prompt, ps in zip(prompts, per_prompt)
+        ]
+        for _ in self._run([unit for group in groups for unit in group]):
             pass
         completions = []
-        for prompt, unit in zip(self._unit_prompts(prompts, per_prompt), units):
-            if isinstance(unit, BeamSearch):
-                completions.extend(self._beam_completions(prompt, unit))
+        for prompt, ps, group in zip(prompts, per_prompt, groups):
+            if ps.num_beams > 1:
+                completions += self._beam_completions(prompt, group[0])
             else:
-                completions.append(unit.completion())
+                completions += [request.completion() for request in group]
         return completions
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> TextStream:
@@ -232,22 +202,16 @@ class Engine:
                              "(generate() serves beams and n > 1)")
         request = self._request(prompt, params, 0)  # checked now: a bad prompt fails here
         if not request.finished:
-            self.waiting.append(request)
+            self.scheduler.add(request)
         return request
 
     def abort(self, unit: Unit) -> None:
-        """End a request now (finish reason ``"abort"``) and return its KV blocks; a no-op once
-        it has finished."""
-        if _is_done(unit):
-            return
-        self._forget(unit)
-        if isinstance(unit, BeamSearch):
-            unit.done = True
-        else:
-            unit.finish_reason = "abort"
+        """End a request now (finish reason ``"abort"``) and return its KV blocks; a finished one
+        keeps its result."""
+        self.scheduler.abort(unit)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.running)
+        return self.scheduler.has_unfinished()
 
     def _chat_prompt(self, messages: Sequence[dict[str, str]]) -> list[int]:
         """The conversation's token ids. Message text is encoded with special-token parsing off:
@@ -269,10 +233,6 @@ class Engine:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         return list(params)
-
-    @staticmethod
-    def _unit_prompts(prompts: Sequence[Prompt], per_prompt: list[SamplingParams]) -> list[Prompt]:
-        return [p for p, ps in zip(prompts, per_prompt) for _ in range(1 if ps.num_beams > 1 else ps.n)]
 
     def _encode(self, prompt: Prompt, params: SamplingParams) -> list[int]:
         context = self.model.config.max_position_embeddings
@@ -336,7 +296,7 @@ class Engine:
             completions.append(request.completion())
         return completions[: search.params.n]
 
-    # ------------------------------------------------------------------ the scheduler loop
+    # ------------------------------------------------------------------ the loop
     @torch.inference_mode()
     def step(self) -> list[tuple[Request, str]]:
         """One iteration of the scheduler: admit and prefill what fits, decode every running row
@@ -347,40 +307,45 @@ class Engine:
         requests stay queued and the engine keeps serving.
         """
         events: list[tuple[Request, str]] = []
-        admitted: list[Unit] = []
         try:
-            admitted = self._admit()
-            self._start(admitted)
-            admitted = []
-            if self.prefilling:
-                events += self._prefill()
-            elif not self.running and self.waiting:
-                head = self.waiting.popleft()
-                self.abort(head)
-                raise OutOfBlocksError(
-                    f"a {_prefill_len(head)}-token request does not fit in the free KV cache "
-                    f"({self.manager.allocator.num_free} of {self.manager.allocator.num_blocks} blocks "
-                    f"of {self.cache.block_size} tokens free)"
-                )
-            if self.running:
-                self._reserve_or_preempt()
-                events += self._decode()
-                self.running = [u for u in self.running if not self._retire_if_done(u)]
+            for schedule in (self.scheduler.schedule_prefill, self.scheduler.schedule_decode):
+                batch = schedule()
+                if batch.seq_ids:
+                    events += self._forward(batch)
+                self.scheduler.postprocess()
         except BaseException:
-            for unit in admitted + [p.unit for p in self.prefilling] + self.running:
-                self.abort(unit)
-                self._forget(unit)  # (also one that finished in this very step, before it could retire)
+            for unit in [p.unit for p in self.prefilling] + self.running:
+                self.abort(unit)  # (also one that finished in this very step, before it could retire)
             raise
+        return events
+
+    def _forward(self, batch: ScheduledBatch) -> list[tuple[Request, str]]:
+        """Run one planned forward, then give each unit that takes a step its logits rows: the
+        requests' rows go through one batched sampler call, a beam search's through its search."""
+        self.cache.copy_blocks(batch.copies)
+        if batch.is_prefill:
+            logits = self.runner.prefill(batch.seq_ids, batch.token_ids)
+        else:
+            logits = self.runner.decode(batch.seq_ids, [token for token, in batch.token_ids])
+        self.scheduler.mark_computed(batch)
+        sampled = [(unit, rows.start) for unit, rows in batch.outputs if unit.params.num_beams == 1]
+        rows = [row for _, row in sampled]  # (beams, or prompts not complete yet, in the batch: gather
+        logits_sampled = logits if rows == list(range(len(logits))) else logits[rows]  # 192 KB a row, only when needed)
+        events = self._sample([request for request, _ in sampled], logits_sampled)
+        for unit, unit_rows in batch.outputs:
+            if unit.params.num_beams > 1:  # a beam search picks its tokens by its own search step
+                unit.advance(logits[unit_rows.start : unit_rows.stop], self.manager)
         return events
 
     def _run(self, units: Sequence[Unit]) -> Iterator[tuple[Request, str]]:
         """Queue ``units`` and step until all of them are done, yielding their (request, text
         delta) pairs; however the loop ends (exhausted, abandoned, an error), they are aborted."""
-        mine = [u for u in units if not _is_done(u)]
+        mine = [u for u in units if not u.done]
         ids = {id(u) for u in mine}
-        self.waiting.extend(mine)
+        for unit in mine:
+            self.scheduler.add(unit)
         try:
-            while not all(_is_done(u) for u in mine):
+            while not all(u.done for u in mine):
                 for request, delta in self.step():
                     if id(request) in ids:
                         yield request, delta
@@ -388,190 +353,19 @@ class Engine:
             for unit in mine:
                 self.abort(unit)
 
-    def _admit(self) -> list[Unit]:
-        """Pop waiting units while the batch has rows and the pool has blocks for their prompts,
-        keeping one spare block per row so the next decode step does not force a preemption. An
-        empty batch takes the first unit whatever its size: alone it has the whole pool, which
-        is enough (``_encode`` refused larger requests), and nobody is there to preempt.
-
-        With prefix caching, a unit whose next uncached block is being computed right now by a
-        prompt in flight (admitted earlier, or just before it in this step) waits, keeping its
-        place in the queue: once that block is computed and cached it reuses it instead of
-        computing the same prefix a second time. This is how ``n > 1`` completions of one
-        prompt, and many clients arriving together with one system prompt, share its blocks.
-        """
-        waiting = self.waiting
-        admitted: list[Unit] = []
-        held: list[Unit] = []  # waiting for a prefix in flight; back to the front of the queue
-        in_flight = {key for prefill in self.prefilling for key in prefill.pending_keys}
-        rows = sum(_rows(u) for u in self.running) + sum(_seats(p.unit) for p in self.prefilling)
-        blocks = 0
-        while waiting:
-            unit = waiting[0]
-            unit_rows = _seats(unit)
-            unit_blocks = self.manager.blocks_for_tokens(_prefill_len(unit))
-            if rows + unit_rows > self.max_batch_size and rows:  # an empty batch takes even an oversized unit
-                break
-            if blocks + unit_blocks + rows + unit_rows > self.manager.allocator.num_free and rows:
-                break  # (an empty batch has the whole pool, and _encode let in only units that fit it)
-            waiting.popleft()
-            if self.manager.prefix_caching:
-                uncached = self.manager.uncached_keys(_prefill_tokens(unit))
-                if uncached and uncached[0] in in_flight:
-                    held.append(unit)
-                    continue
-                in_flight.update(uncached)
-            admitted.append(unit)
-            rows += unit_rows
-            blocks += unit_blocks
-        waiting.extendleft(reversed(held))
-        return admitted
-
-    def _start(self, units: list[Unit]) -> None:
-        """Give each admitted unit its sequence and the blocks for its whole prompt (reusing
-        cached prefix blocks), and queue the prompt tokens still to compute. A preempted request
-        recomputes its prompt and the tokens it had generated (all but the last, which the next
-        decode step feeds in)."""
-        for unit in units:
-            seq_id = unit.start() if isinstance(unit, BeamSearch) else unit.seq_id
-            tokens = _prefill_tokens(unit)
-            cached = self.manager.add_sequence(seq_id, tokens)  # > 0 only with prefix caching
-            self.prompt_tokens += len(tokens)
-            self.cached_prompt_tokens += cached
-            pending = self.manager.uncached_keys(tokens) if self.manager.prefix_caching else []
-            self.prefilling.append(Prefill(unit, seq_id, tokens[cached:], pending))
-            self.cache.copy_blocks(self.manager.reserve([seq_id], [len(tokens) - cached]))
-
-    def _prefill(self) -> list[tuple[Request, str]]:
-        """One packed forward over the next chunk of every prompt being prefilled, within the
-        step's token budget (all of them whole without chunking). Each request whose prompt is
-        now complete samples its first token (one batched sampler call), each beam search takes
-        its first step, and they join the running batch."""
-        sizes = prefill_chunk_sizes([len(p.tokens) for p in self.prefilling], self.prefill_chunk_tokens)
-        chunks = [(prefill, prefill.tokens[:n]) for prefill, n in zip(self.prefilling, sizes) if n > 0]
-        logits = self.runner.prefill([p.seq_id for p, _ in chunks], [chunk for _, chunk in chunks])
-        done: list[tuple[int, Unit]] = []
-        for row, (prefill, chunk) in enumerate(chunks):
-            prefill.tokens = prefill.tokens[len(chunk):]
-            if not prefill.tokens:
-                done.append((row, prefill.unit))
-        for prefill, _ in chunks:
-            self._cache_full_blocks(prefill.seq_id, prefill.unit)
-        fresh = [(row, u) for row, u in done if isinstance(u, Request) and not u.output_ids]
-        events = self._sample([u for _, u in fresh], logits[[row for row, _ in fresh]])  # type: ignore[misc]
-        for row, unit in done:
-            if isinstance(unit, BeamSearch):
-                unit.advance(logits[row : row + 1], self.manager)
-        # The finished prompts leave `prefilling` only now, as they join the running batch: had the
-        # sampler failed above (an error, Ctrl-C), step() must still find them there to abort them.
-        joined = [u for _, u in done if not self._retire_if_done(u)]
-        self.prefilling = [p for p in self.prefilling if p.tokens]
-        self.running += joined
-        return events
-
-    def _decode(self) -> list[tuple[Request, str]]:
-        """One compiled step for every running row; then sampling and the beams' bookkeeping."""
-        seq_ids, tokens = [], []
-        for unit in self.running:
-            if isinstance(unit, BeamSearch):
-                seq_ids += unit.seq_ids
-                tokens += unit.last_tokens()
-            else:
-                seq_ids.append(unit.seq_id)
-                tokens.append(unit.output_ids[-1])
-        logits = self.runner.decode(seq_ids, tokens)
-        for unit in self.running:
-            if isinstance(unit, Request):  # (beams diverge: only their shared prompt is keyed)
-                self._cache_full_blocks(unit.seq_id, unit)
-        row, sampled, sampled_rows = 0, [], []
-        for unit in self.running:
-            if isinstance(unit, BeamSearch):
-                n_beams = len(unit.beams)
-                unit.advance(logits[row : row + n_beams], self.manager)
-                row += n_beams
-            else:
-                sampled.append(unit)
-                sampled_rows.append(row)
-                row += 1
-        if sampled_rows != list(range(len(logits))):  # (beams in the batch: gather the sampled rows,
-            logits = logits[sampled_rows]                # a copy of 192 KB a row, so only when needed)
-        return self._sample(sampled, logits)
-
-    def _cache_full_blocks(self, seq_id: int, unit: Unit) -> None:
-        """Key the blocks of ``seq_id`` the step just filled, so later prompts with the same
-        prefix reuse them: a request's prompt and output, a beam search's prompt."""
-        if self.manager.has_unkeyed_full_blocks(seq_id):  # (building the ids copies them: only when a block filled)
-            self.manager.cache_full_blocks(seq_id, unit.prompt_ids if isinstance(unit, BeamSearch) else unit.all_ids)
-
     def _sample(self, requests: list[Request], logits: torch.Tensor) -> list[tuple[Request, str]]:
         if not requests:
             return []
-        tokens = sample_batch(logits, [r.sampling for r in requests]).tolist()  # the one host read per step
+        tokens = sample_batch(logits, [r.sampling for r in requests]).tolist()  # the one host read per forward
         events = []
         for request, token in zip(requests, tokens):
             request.sampling.record(token)
             events.append((request, request.append(token)))
         return events
 
-    def _reserve_or_preempt(self) -> None:
-        """Reserve one token for every running row, preempting the newest until it fits.
-
-        The newest are the prompts still being prefilled (chunked prefill): each holds the blocks
-        of its whole prompt from admission on, for as many steps as its chunks take, while the
-        running rows keep growing; so they go back to the queue first, newest first. A single
-        running unit left alone always fits (``_encode`` refused any request larger than the
-        pool), so each step decodes at least one request and the engine always makes progress.
-        """
-        while True:
-            seq_ids = [s for unit in self.running for s in _seq_ids(unit)]
-            alone = len(self.running) == 1 and not self.prefilling
-            if self.manager.can_reserve(seq_ids, [1] * len(seq_ids)) or alone:
-                self.cache.copy_blocks(self.manager.reserve(seq_ids, [1] * len(seq_ids)))
-                return
-            victim = self.prefilling.pop().unit if self.prefilling else self.running.pop()  # the most recent arrival
-            self._free(victim)
-            if isinstance(victim, BeamSearch):
-                victim.restart()
-            self.waiting.appendleft(victim)
-            self.preemptions += 1
-
-    def _retire_if_done(self, unit: Unit) -> bool:
-        if _is_done(unit):
-            self._free(unit)
-            return True
-        return False
-
-    def _forget(self, unit: Unit) -> None:
-        """Take a unit out of the queue and the batch (by identity) and free its blocks."""
-        self.waiting = deque(u for u in self.waiting if u is not unit)
-        self.prefilling = [p for p in self.prefilling if p.unit is not unit]
-        self.running = [u for u in self.running if u is not unit]
-        self._free(unit)
-
-    def _free(self, unit: Unit) -> None:
-        if isinstance(unit, BeamSearch):
-            unit.free(self.manager)
-        elif unit.seq_id in self.manager.block_tables:
-            self.manager.free_sequence(unit.seq_id)
-
     def _new_seq_id(self) -> int:
         self._next_seq_id += 1
         return self._next_seq_id - 1
-
-
-def prefill_chunk_sizes(remaining: Sequence[int], budget: int | None) -> list[int]:
-    """How many prompt tokens each request being prefilled computes this step: in arrival order,
-    each takes what it still needs while the step's ``budget`` lasts (``prefill_chunk_tokens``),
-    so one prompt may get a partial chunk and the ones after it wait (0); with no budget (None)
-    every prompt is computed whole. The budget counts prompt tokens only: every running request
-    also decodes its one token each step, whatever the budget."""
-    left = math.inf if budget is None else budget
-    sizes = []
-    for n in remaining:
-        take = int(min(n, left))
-        sizes.append(take)
-        left -= take
-    return sizes
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -584,33 +378,3 @@ def _positive_int(name: str, value: object) -> int:
 
 def _as_text(prompt: Prompt, tokenizer: Tokenizer) -> str:
     return prompt if isinstance(prompt, str) else tokenizer.decode(list(prompt))
-
-
-def _is_done(unit: Unit) -> bool:
-    return unit.done if isinstance(unit, BeamSearch) else unit.finished
-
-
-def _rows(unit: Unit) -> int:
-    return len(unit.beams) if isinstance(unit, BeamSearch) else 1
-
-
-def _seats(unit: Unit) -> int:
-    """The rows a unit not yet decoding will take in the batch: a beam search prefills one
-    sequence, its prompt, but decodes ``num_beams`` rows from its first step on."""
-    return unit.params.num_beams if isinstance(unit, BeamSearch) else 1
-
-
-def _seq_ids(unit: Unit) -> list[int]:
-    return unit.seq_ids if isinstance(unit, BeamSearch) else [unit.seq_id]
-
-
-def _prefill_tokens(unit: Unit) -> list[int]:
-    """The tokens a unit's prefill puts in the cache: its prompt, or for a preempted request the
-    prompt and every token it had generated but the last (the next decode step feeds that one)."""
-    if isinstance(unit, BeamSearch):
-        return unit.prompt_ids
-    return unit.all_ids[:-1] if unit.output_ids else unit.all_ids
-
-
-def _prefill_len(unit: Unit) -> int:
-    return len(_prefill_tokens(unit))

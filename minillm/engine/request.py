@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from minillm.cache.block_manager import BlockManager
+from minillm.engine.sequence import SequenceGroup
 from minillm.sampling import SamplingParams, SamplingState
 from minillm.tokenizer import StreamingDetokenizer, Tokenizer
 
@@ -71,8 +73,8 @@ def _overlap(text: str, stop: str) -> int:
 
 
 @dataclass(eq=False)  # a request is itself: the scheduler finds it by identity, not by value
-class Request:
-    """A prompt being generated: the engine's unit of scheduling (one KV-cache sequence)."""
+class Request(SequenceGroup):
+    """A prompt being generated: a unit of scheduling with one KV-cache sequence, one batch row."""
 
     seq_id: int
     prompt: str
@@ -96,6 +98,42 @@ class Request:
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    # ------------------------------------------------------------------ as a SequenceGroup
+    @property
+    def done(self) -> bool:
+        return self.finished
+
+    @property
+    def seats(self) -> int:
+        return 1
+
+    @property
+    def seq_ids(self) -> list[int]:
+        return [self.seq_id]
+
+    def start(self) -> int:
+        return self.seq_id  # (its own from the start: a preempted request takes it again)
+
+    def prefill_tokens(self) -> list[int]:
+        return self.all_ids[:-1] if self.output_ids else self.prompt_ids
+
+    def last_tokens(self) -> list[int]:
+        return self.output_ids[-1:]
+
+    def prefix_tokens(self) -> list[int]:
+        return self.all_ids
+
+    def free(self, manager: BlockManager) -> None:
+        if self.seq_id in manager.block_tables:
+            manager.free_sequence(self.seq_id)
+
+    def preempt(self) -> None:
+        """Nothing to undo: its next prefill recomputes its prompt and the tokens it has."""
+
+    def abort(self) -> None:
+        if not self.finished:
+            self.finish_reason = "abort"
 
     def append(self, token_id: int) -> str:
         """Record a new token, apply the stop rules, and return the new text to stream."""
