@@ -104,3 +104,15 @@ def vector_kernels(kernels_built) -> None:
 
     if not kernels.vectorized():
         pytest.skip("the kernels are built without their AVX-512 or AVX2 versions on this CPU")
+
+
+@pytest.fixture(scope="session")
+def cxx_compiler() -> None:
+    """``torch.compile`` on the CPU, which writes C++ (the compiled backend); skips where it cannot run."""
+    import torch
+
+    from minillm.engine.backends import why_not_compiled
+
+    why = why_not_compiled(torch.device("cpu"))
+    if why:
+        pytest.skip(f"torch.compile cannot run here: {why}")
