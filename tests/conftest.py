@@ -83,3 +83,36 @@ def trained(corpus_text: str) -> Tokenizer:
     """A ~400-token byte-level BPE trained by minillm on a corpus slice, with special tokens."""
     return train_bpe(corpus_text[CORPUS_SLICE], TRAINED_VOCAB_SIZE, TRAINED_SPECIALS, progress=False)
 
+
+
+# The hand-written C++ kernels (``minillm/model/kernels``) are built on first use, which takes a
+# minute: through these fixtures, only when a test that needs them runs (collecting compiles nothing).
+@pytest.fixture(scope="session")
+def kernels_built() -> None:
+    """The kernel library, built or loaded (its portable loops at least); skips where it cannot be built."""
+    from minillm.model import kernels
+
+    if not kernels.available():
+        pytest.skip(f"the C++ kernels are not built here: {kernels.why_unavailable()}")
+
+
+@pytest.fixture(scope="session")
+def vector_kernels(kernels_built) -> None:
+    """The AVX-512 or AVX2 versions of the kernels (``kernels.vectorized()``): what the packed-cpu
+    backend and the float32 few-row product need; skips on a CPU without them."""
+    from minillm.model import kernels
+
+    if not kernels.vectorized():
+        pytest.skip("the kernels are built without their AVX-512 or AVX2 versions on this CPU")
+
+
+@pytest.fixture(scope="session")
+def cxx_compiler() -> None:
+    """``torch.compile`` on the CPU, which writes C++ (the compiled backend); skips where it cannot run."""
+    import torch
+
+    from minillm.engine.backends import why_not_compiled
+
+    why = why_not_compiled(torch.device("cpu"))
+    if why:
+        pytest.skip(f"torch.compile cannot run here: {why}")

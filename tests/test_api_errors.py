@@ -43,7 +43,7 @@ def test_forward_refuses_a_cache_of_another_dtype(tiny):
     cache = PagedKVCache(model.config, 4, 16, "cpu", torch.float64)
     cache.add_sequence(0)
     with pytest.raises(TypeError, match="the KV cache holds torch.float64 but the model computes in torch.float32"):
-        model(IDS, cache=cache.prepare([0], 3))
+        model(IDS, paged=cache.prepare([0], 3))
 
 
 @pytest.mark.parametrize("kwargs, error, match", [

@@ -1,5 +1,6 @@
-"""Greedy generation on the real model: recompute, contiguous and paged caches all produce
-transformers' tokens, for single prompts and for a mixed-length batch."""
+"""Greedy generation on the real model: the teaching loops of ``minillm.generate`` (recompute,
+contiguous and paged caches) all produce transformers' tokens, for single prompts and for a
+mixed-length batch; and the CLI's ``generate``."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from minillm.generate import generate_greedy
+from minillm.generate import greedy_contiguous, greedy_paged, greedy_recompute
 from minillm.reference import hf_gguf_model
 
 PROMPTS = [
@@ -49,10 +50,17 @@ def transformers_greedy(smollm, prompt_ids):
 
 def test_recompute_matches_transformers(smollm, prompt_ids, transformers_greedy):
     model, tok = smollm
-    assert generate_greedy(model, prompt_ids, NEW_TOKENS, tok.eos_id, cache="none") == transformers_greedy
+    assert [greedy_recompute(model, ids, NEW_TOKENS, tok.eos_id) for ids in prompt_ids] == transformers_greedy
 
 
 CACHES = [("contiguous", 16), ("paged", 1), ("paged", 16), ("paged", ODD_BLOCK)]
+
+
+def generate_greedy(model, prompts, max_new_tokens, eos_token_id, cache, block_size, pad_id=0):
+    """Greedy completions of ``prompts`` through the contiguous cache or a paged one of ``block_size``."""
+    if cache == "contiguous":
+        return greedy_contiguous(model, prompts, max_new_tokens, eos_token_id, pad_id)
+    return greedy_paged(model, prompts, max_new_tokens, eos_token_id, block_size)
 
 
 @pytest.mark.parametrize("cache, block_size", CACHES, ids=[f"{c}-{b}" for c, b in CACHES])
@@ -84,8 +92,9 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_cli_generate_json_rows_in_prompt_order(prompt_ids, transformers_greedy):
+    # float32 weights (the default on a CPU with the kernels is the file's 4-bit blocks), as transformers reads them
     result = _cli("generate", "--prompt", PROMPTS[1], "--prompt", PROMPTS[0], "--max-new-tokens", "8",
-                  "--block-size", str(ODD_BLOCK), "--json")
+                  "--block-size", str(ODD_BLOCK), "--weights", "float32", "--backend", "eager", "--json")
     assert result.returncode == 0, result.stderr
     rows = [json.loads(line) for line in result.stdout.splitlines()]
     assert [r["prompt"] for r in rows] == [PROMPTS[1], PROMPTS[0]]
@@ -95,7 +104,8 @@ def test_cli_generate_json_rows_in_prompt_order(prompt_ids, transformers_greedy)
 
 
 def test_cli_plain_output_is_only_the_completion():
-    result = _cli("generate", "--prompt", PROMPTS[0], "--max-new-tokens", "3")
+    result = _cli("generate", "--prompt", PROMPTS[0], "--max-new-tokens", "3", "--weights", "float32",
+                  "--backend", "eager")
     assert result.returncode == 0, result.stderr
     assert result.stdout == " Paris.\n\n"  # the completion " Paris.\n", then print's newline
 

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from minillm.model import kernels
 from minillm.model.attention import paged_decode_attention, paged_decode_attention_reference
 
-pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"no kernels: {kernels.why_unavailable()}")
+pytestmark = pytest.mark.usefixtures("kernels_built")  # (built when the first test runs, not at collection)
 
 
 def _step(lengths: list[int], block_size: int, n_kv_heads: int, groups: int, head_dim: int, seed: int,

@@ -1,8 +1,10 @@
 """Quantized weights (notebook 11): the block formats equal ggml's, bit for bit; a quantized
 layer equals a float layer on the dequantized weights (exactly when it dequantizes, within a
-float32 bound when the packed kernel or the compiled reduction multiplies by the blocks); whole
-models load packed; bad files and arguments fail clearly, naming the tensor and its type; the
-packed kernel is built once per machine and its absence only costs speed.
+float32 bound when the packed kernel multiplies by the blocks, eager or compiled); the layer
+kernels of the packed-cpu backend (``packed_decoder_layer``, ``packed_layers``); whole models
+load packed; bad files and arguments fail clearly, naming the tensor and its type; the packed
+kernel is built once per machine and its absence only costs speed. (A packed model's steps on
+each backend against the float64 model: ``test_backends.py``.)
 
 References: the ``gguf`` package's quantizers (bit-exact with llama.cpp's reference code) and
 float64 products. Nothing here compares one float32 kernel's rounding with another's.
@@ -19,7 +21,6 @@ import gguf
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -110,12 +111,9 @@ def test_a_quantized_layer_equals_a_float_layer_on_the_dequantized_weights(fmt, 
         got = layer(x)
         assert got.shape == (*x.shape[:-1], out_features)
         assert _within_rounding(got.reshape(-1, out_features), x.reshape(-1, in_features), dense, b)
-    # the PyTorch formulation of the one-row product (the compiled fallback): within rounding too
-    row = torch.randn(1, in_features)
-    assert _within_rounding(layer._matvec(row.view(-1, 32))[None] + (0 if b is None else b), row, dense, b)
 
 
-needs_kernels = pytest.mark.skipif(not kernels.available(), reason=f"no packed kernels: {kernels.why_unavailable()}")
+needs_kernels = pytest.mark.usefixtures("kernels_built")  # (built when such a test runs, not at collection)
 
 
 @needs_kernels
@@ -254,15 +252,23 @@ def test_the_kernel_library_is_built_once_and_reused(tmp_path):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_the_compiled_one_row_product_reads_the_blocks_and_stays_within_rounding(fmt):
+@pytest.mark.parametrize("outliers", [False, True], ids=["blocks", "float32-columns"])
+def test_a_compiled_quantized_layer_stays_within_rounding(fmt, outliers, cxx_compiler):
+    """Compiled (a model whose layers mix float and packed matrices is compiled whole), the layer
+    calls the same packed kernel (or, without the kernels, the same dequantized product), its
+    float32 columns included."""
     torch.manual_seed(1)
     weight = torch.randn(70, 160)
-    layer = QuantizedLinear.from_float(weight, fmt, bias=torch.randn(70))
+    cols = None
+    if outliers:
+        weight[:, 64] *= 300
+        cols = torch.tensor([5, 64, 127])
+    layer = QuantizedLinear.from_float(weight, fmt, bias=torch.randn(70), outlier_cols=cols)
     x = torch.randn(1, 1, 160)
     with torch.inference_mode():
         compiled = torch.compile(layer, fullgraph=True, dynamic=False)(x)
-    exact = x.double() @ layer.dequantize().double().T + layer.bias.double()
-    assert ((compiled.double() - exact).abs() <= _bound(x[0], layer.dequantize())).all()
+    assert compiled.shape == (1, 1, 70)
+    assert _within_rounding(compiled[0], x[0], layer.dequantize(), layer.bias)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -270,8 +276,8 @@ def test_outlier_columns_stay_float32_and_the_rest_quantizes_like_gguf(fmt):
     """``quantize_with_outliers``: the chosen input columns are the float weights (exactly where
     zero is on the format's grid; to float32 rounding for Q4_1, whose blocks add their level
     nearest zero), the others ggml's blocks of the matrix with those columns zeroed, bit for bit;
-    the layer (kernel, batched, prefill and compiled one-row paths) computes ``F.linear`` on
-    that matrix."""
+    the layer (kernel, batched and prefill paths; compiled: above) computes ``F.linear`` on that
+    matrix."""
     torch.manual_seed(3)
     weight = torch.randn(37, 128) * 0.1
     weight[:, 64] *= 300  # an outlier column would set its blocks' scales
@@ -293,10 +299,6 @@ def test_outlier_columns_stay_float32_and_the_rest_quantizes_like_gguf(fmt):
     for x in (torch.randn(1, 1, 128), torch.randn(3, 5, 128), torch.randn(2, 20, 128)):
         got = layer(x).reshape(-1, 37)
         assert _within_rounding(got, x.reshape(-1, 128), dense, layer.bias)
-    x = torch.randn(1, 1, 128)
-    with torch.inference_mode():
-        compiled = torch.compile(layer, fullgraph=True, dynamic=False)(x)
-    assert _within_rounding(compiled[0], x[0], dense, layer.bias)
     with pytest.raises(ValueError, match="outlier columns of w must be a 1-D list of input indices below 128"):
         QuantizedLinear.from_float(weight, fmt, name="w", outlier_cols=torch.tensor([128]))
 
@@ -354,59 +356,10 @@ def test_quantizing_a_checkpoint_at_load_packs_every_matrix(pristine):  # noqa: 
             assert _through_layers(model(ids), twin.double()(ids)), fmt
 
 
-def _float64_twin(model: torch.nn.Module, folder) -> torch.nn.Module:
-    """The float model of ``folder`` with ``model``'s packed weights dequantized into it, in float64."""
-    twin, _ = minillm.load_model(folder, device="cpu")
-    for name, module in model.named_modules():
-        if isinstance(module, QuantizedLinear) and name != "embed_tokens.table":
-            twin.get_submodule(name).weight = torch.nn.Parameter(module.dequantize(), requires_grad=False)
-    twin.embed_tokens.weight = torch.nn.Parameter(model.embed_tokens.table.dequantize(), requires_grad=False)
-    return twin.double()
-
-
-@needs_kernels
-@pytest.mark.parametrize("model_type", ["llama", "qwen2"])  # qwen2: biases on q, k and v
-def test_a_packed_models_decode_step_runs_each_layer_as_one_kernel_call(tmp_path, tiny_tokenizer, model_type,  # noqa: F811
-                                                                         monkeypatch):
-    """On a decode step of a packed model (each format, with float32 outlier columns from a
-    calibration text) every layer is one ``packed_decoder_layer`` call: it writes the new keys and
-    values where the block tables say, and the step's logits equal the same model in float64 on
-    the dequantized weights to float32 rounding. Three rows of different lengths, blocks of 4
-    (the rows cross block boundaries), six steps."""
-    from minillm.cache.paged import PagedKVCache
-    from minillm.model import quant
-
-    folder = _tiny_hf_checkpoint(tmp_path, tiny_tokenizer, model_type, vocab_size=300, tie_word_embeddings=False)
-    calls = []
-    layer_kernel = kernels.packed_decoder_layer
-    monkeypatch.setattr(kernels, "packed_decoder_layer", lambda *args: calls.append(1) or layer_kernel(*args))
-    prompts = [[5, 9, 2, 7, 1], [3], [8, 8, 4, 6, 2, 9, 1, 5, 3]]
-    for fmt in FORMATS:
-        model, _ = minillm.load_model(folder, device="cpu")
-        quant.quantize_model(model, fmt, calibration=torch.tensor([prompts[2]]))
-        assert model.layers[0].mlp.down_proj.outlier_cols is not None
-        twin = _float64_twin(model, folder)
-        cache = PagedKVCache(model.config, num_blocks=24, block_size=4)
-        tokens = [list(prompt) for prompt in prompts]
-        with torch.inference_mode():
-            for seq, prompt in enumerate(prompts):
-                cache.add_sequence(seq)
-                model(torch.tensor([prompt]), cache=cache.prepare([seq], len(prompt)))
-            for step in range(6):
-                calls.clear()
-                new = [(sum(t) * 7 + step) % 300 for t in tokens]
-                logits = model(torch.tensor(new)[:, None], cache=cache.prepare([0, 1, 2], 1))[:, -1]
-                assert len(calls) == model.config.n_layers, fmt
-                for t, token in zip(tokens, new):
-                    t.append(token)
-                exact = torch.stack([twin(torch.tensor([t]))[0, -1] for t in tokens])
-                assert _through_layers(logits, exact), (fmt, step)
-
-
 @needs_kernels
 def test_the_layer_kernel_refuses_what_does_not_fit_naming_the_matrix_and_the_slot(pristine):  # noqa: F811
     from minillm.cache.paged import PagedKVCache
-    from minillm.model import quant
+    from minillm.engine.backends.packed_cpu import layer_arguments
 
     model, _ = minillm.load_model(pristine, device="cpu", weights="q8_0")
     config = model.config
@@ -420,7 +373,7 @@ def test_the_layer_kernel_refuses_what_does_not_fit_naming_the_matrix_and_the_sl
         return kernels.packed_decoder_layer(x, arguments, cos, sin, step.k_pools[0], step.v_pools[0], step.write_blocks,
                                             write_offsets, step.block_tables, step.context_lens)
 
-    arguments = quant.layer_arguments(model.layers[0])
+    arguments = layer_arguments(model.layers[0])
     assert run(arguments).shape == (1, config.hidden_size)
     swapped = arguments[:3] + tuple([*part[:4], part[6], part[5], part[4]] for part in arguments[3:])  # gate <-> down
     with pytest.raises(RuntimeError, match=rf"gate_proj is \[{config.hidden_size}, {config.intermediate_size}\], "
@@ -454,15 +407,18 @@ def test_all_layers_in_one_call_equal_the_layer_kernel_layer_by_layer(tmp_path, 
     of ``packed_decoder_layer``: its output and every layer's pools equal calling the op layer by
     layer, bit for bit (qwen2: biases; three rows of different lengths on blocks of 4). A bad step
     is refused before any layer's pool is written; a tensor changed in place, even given new
-    memory (``.data = ...``), is what the next call reads."""
+    memory (``.data = ...``), is what the next call reads. With the ends set (the table, the final
+    norm, the head), ``logits`` is the whole decode step, token ids to logits: a token id outside
+    the table or a row to keep that the step does not have is refused by name, every pool as it was."""
     from minillm.cache.paged import PagedKVCache
+    from minillm.engine.backends.packed_cpu import ends_arguments, layer_arguments
     from minillm.model import quant
 
     folder = _tiny_hf_checkpoint(tmp_path, tiny_tokenizer, "qwen2", vocab_size=300, tie_word_embeddings=False)
     model, _ = minillm.load_model(folder, device="cpu")
     quant.quantize_model(model, "q4_1", calibration=torch.tensor([[5, 9, 2, 7, 1, 3]]))
     config = model.config
-    arguments = [quant.layer_arguments(block) for block in model.layers]
+    arguments = [layer_arguments(block) for block in model.layers]
     stack = kernels.packed_layers(arguments, config.n_kv_heads, config.head_dim)
     assert stack.size() == config.n_layers and stack.matrices(0)[0] is model.layers[0].self_attn.q_proj.qs
     cache = PagedKVCache(config, num_blocks=16, block_size=4)
@@ -509,12 +465,23 @@ def test_all_layers_in_one_call_equal_the_layer_kernel_layer_by_layer(tmp_path, 
         kernels.packed_layers([arguments[0], swapped], config.n_kv_heads, config.head_dim)
     with pytest.raises(RuntimeError, match=r"PackedLayers.logits: no embedding table and LM head"):
         stack.logits(torch.tensor([1, 2, 3]), cos, sin, step.k_pools, step.v_pools, *slots_and_tables)
-    ends = quant.ends_arguments(model)
+    ends = ends_arguments(model)
     stack.set_ends(*ends)
     with pytest.raises(RuntimeError, match=rf"the final norm must be a contiguous float32 CPU tensor \[{config.hidden_size}\]"):
         stack.set_ends(*ends[:3], torch.ones(3), *ends[4:])
     assert stack.logits(torch.tensor([1, 2, 3]), cos, sin, step.k_pools, step.v_pools, *slots_and_tables).shape == \
         (3, config.vocab_size)  # (the refused set kept the ends there were)
+    for pool, saved in zip(step.k_pools + step.v_pools, before):
+        pool.copy_(saved)
+    with pytest.raises(RuntimeError, match=r"PackedLayers.logits: row 1 has token id 300, outside the embedding "
+                                           r"table's 300 rows"):
+        stack.logits(torch.tensor([1, 300, 3]), cos, sin, step.k_pools, step.v_pools, *slots_and_tables)
+    with pytest.raises(RuntimeError, match=r"PackedLayers.logits: logits_rows\[0\] is 3, not one of the step's 3 rows"):
+        stack.logits(torch.tensor([1, 2, 3]), cos, sin, step.k_pools, step.v_pools, *slots_and_tables, torch.tensor([3]))
+    assert all(torch.equal(a, b) for a, b in zip(step.k_pools + step.v_pools, before))
+    last = stack.logits(torch.tensor([1, 2, 3]), cos, sin, step.k_pools, step.v_pools, *slots_and_tables,
+                        torch.tensor([2]))  # the final norm and the head on the rows asked for only
+    assert last.shape == (1, config.vocab_size)
     for pool, saved in zip(step.k_pools + step.v_pools, before):
         pool.copy_(saved)
 
