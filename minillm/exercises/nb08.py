@@ -1,8 +1,8 @@
 """Exercises of notebook 08 (the paged KV cache): where a token lives, how many blocks a sequence
 takes, and the block manager itself — free list, reference counts, fork and copy-on-write.
 
-The expected answers come from the package (``minillm.cache``): the addressing from
-``PagedKVCache.batch``, the block counts from ``BlockManager``, and the block manager's behaviour
+The expected answers come from the package (``minillm.cache``): the addressing from the step
+``PagedKVCache.step`` builds, the block counts from ``BlockManager``, and the block manager's behaviour
 from a real ``PagedKVCache`` driven through the same script of operations (its tables, reference
 counts, free blocks, and the tokens each sequence reads back from its storage). Each classic
 mistake is written out as the code a learner would write, so a wrong answer of that kind is named.
@@ -18,6 +18,7 @@ import torch
 
 from minillm.cache import BlockAllocator, BlockManager, OutOfBlocksError, PagedKVCache
 from minillm.exercises import Mistake, check
+from minillm.model.attention import write_kv
 from minillm.model.config import ModelConfig
 
 # one KV head of 2 numbers, one layer: a pool whose slots hold one token id each
@@ -29,10 +30,10 @@ SLOT_CASES_IN = [(0, [7, 3], 4), (3, [7, 3], 4), (5, [7, 3], 4), (20, [2, 9, 4],
 
 
 def _package_slot(position: int, block_table: list[int], block_size: int) -> tuple[int, int]:
-    """Where ``PagedKVCache.batch`` writes the token at ``position`` of a sequence with this table."""
+    """Where the package's step (``PagedKVCache.step``) writes the token at ``position`` of a sequence with this table."""
     cache = PagedKVCache(TINY, num_blocks=max(block_table) + 1, block_size=block_size)
     cache.manager.block_tables[0], cache.manager.lengths[0] = list(block_table), position
-    step = cache.batch([0], [1])
+    step = cache.step([0], [1])
     return int(step.write_blocks[0]), int(step.write_offsets[0])
 
 
@@ -214,11 +215,11 @@ def _run_package(script: Script) -> tuple[tuple[str, ...], ...]:
             seq, n = args
             copies = manager.reserve([seq], [n])
             cache.copy_blocks(copies)
-            step = cache.batch([seq], [n])
+            step = cache.step([seq], [n])
             start = manager.lengths[seq]
             tokens = torch.tensor([float(_token(seq, p)) for p in range(start, start + n)])
-            step.write(0, tokens.view(1, 1, n, 1).expand(1, 1, n, 2), tokens.view(1, 1, n, 1).expand(1, 1, n, 2))
-            step.advance(n)
+            write_kv(step, 0, tokens.view(1, 1, n, 1).expand(1, 1, n, 2), tokens.view(1, 1, n, 1).expand(1, 1, n, 2))
+            manager.advance([seq], [n])
             return _appended(list(zip(step.write_blocks.tolist(), step.write_offsets.tolist())), copies)
         if name == "free_block":
             manager.allocator.free(*args)
