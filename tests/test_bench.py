@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
 
 import minillm.bench as bench
 from minillm.__main__ import main
 from minillm.bench.gpu import CompileWatch
 from minillm.bench.timing import interleaved, interleaved_best, ratio_range, value_range
-from minillm.engine.runner import can_compile
 
 # imported by name in the notebooks, the tests and the README
 NAMES = ["bench_model", "corpus_prompt", "percentile", "poisson_arrivals", "bandwidth_reader", "format_quality",
@@ -59,8 +57,7 @@ def test_bench_load_prints_its_report(capsys):
     assert capsys.readouterr().out.startswith("load_model() after conversion: ")
 
 
-@pytest.mark.skipif(not can_compile(torch.device("cpu"))[0], reason="torch.compile cannot build code here")
-def test_the_compile_watch_counts_recompiles_and_no_cuda_graph_on_a_cpu():
+def test_the_compile_watch_counts_recompiles_and_no_cuda_graph_on_a_cpu(cxx_compiler):
     double = torch.compile(lambda x: (2 * x).sum(), dynamic=False)
     double(torch.ones(3))
     with CompileWatch() as watch:

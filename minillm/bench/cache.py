@@ -34,12 +34,12 @@ def kv_waste(workload: list[tuple[int, int]], block_size: int = 16, max_new_toke
     remaining = {}
     for seq_id, (prompt, output) in enumerate(workload):
         cache.add_sequence(seq_id)
-        cache.prepare([seq_id], prompt).advance(prompt)
+        cache.prepare([seq_id], prompt)
         remaining[seq_id] = output
     paged_reserved = paged_used = contiguous_reserved = 0
     while remaining:
         active = list(remaining)
-        cache.prepare(active, 1).advance(1)
+        cache.prepare(active, 1)
         paged_reserved += cache.slots_in_use()
         paged_used += cache.tokens_stored()
         contiguous_reserved += sum(workload[s][0] + max_new_tokens for s in active)
@@ -84,15 +84,15 @@ def bench_cache(new_tokens: int = 256, decode_tokens: int = 128) -> dict[str, An
             if paged:
                 cache = PagedKVCache(model.config, -(-(len(prompt) + decode_tokens) // 16), 16)
                 cache.add_sequence(0)
-                step = lambda n: cache.prepare([0], n)  # noqa: E731
+                step = lambda n: {"paged": cache.prepare([0], n)}  # noqa: E731
             else:
                 contiguous = ContiguousKVCache(model.config, 1, len(prompt) + decode_tokens)
-                step = lambda n: contiguous  # noqa: E731
-            logits = model(torch.tensor([prompt]), cache=step(len(prompt)), last_only=True)
+                step = lambda n: {"cache": contiguous}  # noqa: E731
+            logits = model(torch.tensor([prompt]), last_only=True, **step(len(prompt)))
             token = logits[:, -1].argmax(-1, keepdim=True)
             start = time.perf_counter()  # the prefill above is not timed
             for _ in range(decode_tokens - 1):
-                token = model(token, cache=step(1), last_only=True)[:, -1].argmax(-1, keepdim=True)
+                token = model(token, last_only=True, **step(1))[:, -1].argmax(-1, keepdim=True)
             return time.perf_counter() - start
 
         results["contiguous_decode_s"] = min(decode_time(False) for _ in range(3))

@@ -17,7 +17,7 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "kv_bytes_per_token": "memory",
     "memory_budget": "memory",
     "parameter_count": "memory",
-    "PagedBatch": "paged",
     "PagedKVCache": "paged",
+    "PagedStep": "paged",
 })
 __all__ = __dir__()

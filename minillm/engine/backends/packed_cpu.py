@@ -98,6 +98,8 @@ def why_not_packed(model: Transformer, cache: PagedKVCache) -> str:
             f" ({kernels.why_unavailable()})" if kernels.why_unavailable() else "")
     if any(pool.dtype != torch.float32 for pool in cache.k + cache.v):
         return "the KV cache is not float32"
+    if any(_hooked(module) for module in model.modules()):
+        return "the model has forward hooks, which the C++ step would not call"
     if not all(packs_whole_layer(block) for block in model.layers) or not packs_ends(model):
         return "not every matrix is packed (float weights: load with weights='native', 'q8_0', 'q4_0' or 'q4_1')"
     return ""

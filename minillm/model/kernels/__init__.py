@@ -122,7 +122,7 @@ def packed_decoder_layer(x: torch.Tensor, layer: tuple, cos: torch.Tensor, sin: 
                          block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
     """One decoder layer for one new token per row, x [rows, hidden] float32 -> [rows, hidden];
     the new keys and values are written into ``k_pool``, ``v_pool`` at ``write_blocks``,
-    ``write_offsets``. ``layer``: ``quant.layer_arguments(block)`` (the two norms' weights, eps,
+    ``write_offsets``. ``layer``: ``backends.packed_cpu.layer_arguments(block)`` (the two norms' weights, eps,
     then the seven matrices' ``qs, d, m, cols, w_cols`` and biases, one list each, in the order
     q, k, v, o, gate, up, down); ``cos``, ``sin`` [rows, head_dim]."""
     return torch.ops.minillm.packed_decoder_layer(x, *layer, cos, sin, k_pool, v_pool, write_blocks, write_offsets,
@@ -131,10 +131,10 @@ def packed_decoder_layer(x: torch.Tensor, layer: tuple, cos: torch.Tensor, sin: 
 
 def packed_layers(layers: list[tuple], n_kv_heads: int, head_dim: int) -> Any:
     """Every layer of a packed model handed to C++ once (``layers``: each one's
-    ``quant.layer_arguments``), checked now: an object whose ``forward(x, cos, sin, k_pools,
+    ``backends.packed_cpu.layer_arguments``), checked now: an object whose ``forward(x, cos, sin, k_pools,
     v_pools, write_blocks, write_offsets, block_tables, context_lens)`` runs one decode step
     through all of them, layer i on ``k_pools[i]``, ``v_pools[i]`` -- one call per step where
-    ``packed_decoder_layer`` is one per layer. After ``set_ends(*quant.ends_arguments(model))``
+    ``packed_decoder_layer`` is one per layer. After ``set_ends(*backends.packed_cpu.ends_arguments(model))``
     (the table, the final norm and the head), ``logits(token_ids, cos, sin, k_pools, ...)`` is
     the whole decode step, token ids [rows] to logits [rows, vocab]."""
     input_norms, post_norms, eps, qs, d, m, cols, w_cols, bias = zip(*layers)

@@ -22,7 +22,7 @@
 // matrices in the order q, k, v, o, gate, up, down, each as packed_linears takes them (qs, d,
 // m, the float32 columns), with an optional bias each; cos, sin [rows, head_dim] (rotate-half
 // layout); the layer's pools and the step's write slots, block tables and lengths as
-// paged_decode_attention and PagedBatch.write take them.
+// paged_decode_attention and attention.write_kv take them.
 //
 // The engine does not call the op once per layer: PackedLayers (below) holds every layer's
 // tensors, handed over once, and runs a decode step through all of them in one call -- with
