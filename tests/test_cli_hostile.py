@@ -51,7 +51,7 @@ def test_chat_survives_ctrl_c_and_a_conversation_longer_than_the_context(tiny_fo
 
     class EagerEngine(Engine):  # the policy under test is the chat loop's, not the compiler's
         def __init__(self, *args, **kwargs):
-            super().__init__(*args, backend="eager", **kwargs)
+            super().__init__(*args, **{**kwargs, "backend": "eager"})
             engines.append(self)
 
         def stream_chat(self, messages, params=None):
