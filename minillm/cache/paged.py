@@ -170,7 +170,8 @@ class PagedStep:
       its sequence and the slot its key and value go to;
     * ``block_tables`` [rows, width]: each row's blocks (padded with the scratch block);
     * ``context_lens`` [rows]: how many keys each row attends to once this step is written;
-    * ``logits_index`` [rows]: which token of the flattened step is each row's last;
+    * ``logits_index`` [rows]: which token of the flattened step is each row's last (None for
+      a step that computes no logits, such as a group of layers);
     * ``q_lens``: tokens per row, on the host, or None when every row has one (a decode step).
 
     The tokens of a row are consecutive, so the model may be fed ``[rows, 1]`` (a decode step)
@@ -184,7 +185,7 @@ class PagedStep:
     write_offsets: torch.Tensor
     block_tables: torch.Tensor
     context_lens: torch.Tensor
-    logits_index: torch.Tensor
+    logits_index: torch.Tensor | None = None
     q_lens: list[int] | None = None
 
     @property

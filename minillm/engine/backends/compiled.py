@@ -85,7 +85,7 @@ def decode_layers(
 ) -> torch.Tensor:
     """A group of decoder layers of a decode step, on their own pools: what gets compiled."""
     step = PagedStep(list(k_pools), list(v_pools), positions, write_blocks, write_offsets, block_tables,
-                     context_lens, logits_index=positions)  # (logits_index: unused by the layers)
+                     context_lens)
     for index, layer in enumerate(layers):
         x = layer(x, cos, sin, paged=step, layer_idx=index)  # the step holds only this group's pools
     return x
