@@ -16,7 +16,7 @@ import torch
 
 from minillm.cache import ContiguousKVCache, PagedKVCache
 from minillm.model.llama import Transformer
-from minillm.tokenizer.bpe import pad_batch
+from minillm.tokenizer.padding import pad_batch
 
 
 def _check_request(prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:

@@ -17,7 +17,7 @@ import torch
 from minillm.assets import default_gguf_path
 from minillm.exercises import Mistake, check
 from minillm.tokenizer import Tokenizer
-from minillm.tokenizer.bpe import pad_batch
+from minillm.tokenizer.padding import pad_batch
 from minillm.tokenizer.bytes_unicode import bytes_to_unicode, token_to_bytes
 
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -233,7 +233,7 @@ PAD_HINTS = [
 
 def check_left_pad(fn: Callable[[list[list[int]], int], Batch], hint: int = 0) -> bool:
     """``fn(rows, pad_id)`` -> ``(input_ids, attention_mask, position_ids)``, long tensors, left-padded,
-    compared with ``minillm.tokenizer.bpe.pad_batch`` (what ``Tokenizer.encode_batch`` returns)."""
+    compared with ``minillm.tokenizer.padding.pad_batch`` (what ``Tokenizer.encode_batch`` returns)."""
     return check("left_pad", fn, _pad_cases(), hint=hint, hints=PAD_HINTS, mistakes=PAD_MISTAKES)
 
 

@@ -14,25 +14,23 @@ of n bytes costs O(n log n).
 
 from __future__ import annotations
 
-import operator
 import time
 import unicodedata
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from heapq import heapify, heappop, heappush
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import regex
 
 from minillm.tokenizer.bytes_unicode import bytes_to_token
 from minillm.tokenizer.chat import encode_chat, render_chat
-from minillm.tokenizer.formats import read_tokenizer_file, write_tokenizer_file
+from minillm.tokenizer.checks import as_id_list, check_ids, lone_surrogate_error
+from minillm.tokenizer.formats import read_tokenizer_file
+from minillm.tokenizer.padding import BatchEncoding, pad_batch
 from minillm.tokenizer.pretokenize import PreTokenizer, time_budget
 from minillm.tokenizer.stream import StreamingDetokenizer
-
-if TYPE_CHECKING:
-    import torch
+from minillm.tokenizer.writer import write_tokenizer_file
 
 Pair = tuple[int, int]
 
@@ -42,22 +40,6 @@ Pair = tuple[int, int]
 # the same limit), and the cache is emptied whenever its estimated size passes the budget.
 _CACHE_MAX_CHUNK = 256
 _CACHE_BUDGET_BYTES = 32 << 20
-
-
-@dataclass
-class BatchEncoding:
-    """A padded batch: ``input_ids``, ``attention_mask`` (1 = real token) and ``position_ids``.
-
-    Positions count real tokens only, so a left-padded prompt gets the same positions
-    (0, 1, 2, ...) as the same prompt alone; pad slots get position 0 and mask 0.
-    """
-
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    position_ids: torch.Tensor
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        return getattr(self, key)
 
 
 class Tokenizer:
@@ -101,7 +83,7 @@ class Tokenizer:
         for i in [*vocab, *(special_tokens or {}).values()]:
             if not isinstance(i, int) or isinstance(i, bool) or i < 0:
                 raise ValueError(f"token ids must be non-negative ints, got {i!r}")
-        _check_ids(vocab, special_tokens or {})
+        check_ids(vocab, special_tokens or {})
         self.vocab = dict(vocab)
         self.merges = list(merges)
         self.special_tokens = dict(special_tokens or {})
@@ -187,7 +169,7 @@ class Tokenizer:
                 else:
                     ids.append(special_id)
         except UnicodeEncodeError:
-            raise _lone_surrogate_error(text) from None
+            raise lone_surrogate_error(text) from None
         if add_special_tokens and self.add_eos and self.eos_id is not None:
             ids.append(self.eos_id)
         return ids
@@ -321,7 +303,7 @@ class Tokenizer:
 
     def decode_bytes(self, ids: Iterable[int], skip_special_tokens: bool = False) -> bytes:
         """The raw bytes of ``ids``: what ``decode`` turns into text."""
-        ids = _as_id_list(ids)
+        ids = as_id_list(ids)
         parts = []
         for i in ids:
             data = self._id_to_bytes[i] if 0 <= i < self.vocab_size else None
@@ -337,7 +319,7 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str:
         """The vocabulary string of an id, as tokenizer files show it (``'Ġthe'``)."""
-        (token_id,) = _as_id_list([token_id], "id_to_token()")
+        (token_id,) = as_id_list([token_id], "id_to_token()")
         data = self._id_to_bytes[token_id] if 0 <= token_id < self.vocab_size else None
         if data is None:
             raise ValueError(f"id {token_id} is not in the vocabulary")
@@ -420,89 +402,3 @@ class Tokenizer:
 
     def streaming_decoder(self, skip_special_tokens: bool = False) -> StreamingDetokenizer:
         return StreamingDetokenizer(self, skip_special_tokens)
-
-
-def pad_batch(rows: Sequence[Sequence[int]], pad_id: int, padding_side: str = "left") -> BatchEncoding:
-    """Pad lists of ids to one length: ``input_ids``, ``attention_mask``, ``position_ids``."""
-    import torch
-
-    width = max(len(row) for row in rows)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    position_ids = torch.zeros((len(rows), width), dtype=torch.long)
-    for r, row in enumerate(rows):
-        start = width - len(row) if padding_side == "left" else 0
-        span = slice(start, start + len(row))
-        input_ids[r, span] = torch.tensor(list(row), dtype=torch.long)
-        attention_mask[r, span] = 1
-        position_ids[r, span] = torch.arange(len(row))
-    return BatchEncoding(input_ids, attention_mask, position_ids)
-
-
-def _check_ids(vocab: dict[int, bytes], special_tokens: dict[str, int]) -> None:
-    """Refuse ids that are out of bounds or that two tokens claim (see ``Tokenizer``)."""
-    limit = len(vocab) + len(special_tokens)
-    if limit == 0:
-        raise ValueError("a tokenizer needs at least one token")
-    for i, data in vocab.items():
-        if i >= limit:
-            raise ValueError(
-                f"vocabulary id {i} ({_short(bytes_to_token(data))}) is not below {limit}, the number of tokens "
-                f"({len(vocab)} in the vocabulary + {len(special_tokens)} special)"
-            )
-    seen_bytes: dict[bytes, int] = {}
-    for i, data in vocab.items():
-        if data in seen_bytes:
-            raise ValueError(f"vocabulary ids {seen_bytes[data]} and {i} both stand for {_short(bytes_to_token(data))}")
-        seen_bytes[data] = i
-    owner: dict[int, str] = {}
-    for content, i in special_tokens.items():
-        if not isinstance(content, str) or not content:
-            raise ValueError(f"special token {content!r} (id {i}) must be a non-empty str (empty matches anywhere)")
-        if i >= limit:
-            raise ValueError(
-                f"special token {_short(content)} has id {i}, which is not below {limit}, the number of tokens "
-                f"({len(vocab)} in the vocabulary + {len(special_tokens)} special)"
-            )
-        if i in owner:
-            raise ValueError(f"special tokens {_short(owner[i])} and {_short(content)} share id {i}")
-        owner[i] = content
-        if i in vocab and content.encode("utf-8") != vocab[i] and bytes_to_token(vocab[i]) != content:
-            taken_by = _short(bytes_to_token(vocab[i]))
-            raise ValueError(f"special token {_short(content)} has id {i}, which the vocabulary gives to {taken_by}")
-
-
-def _short(text: str, limit: int = 60) -> str:
-    """``repr(text)``, cut to about ``limit`` characters: a hostile file's token can be a megabyte."""
-    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
-
-
-def _as_id_list(ids: Any, caller: str = "decode()") -> list[int]:
-    """``ids`` as a list of Python ints: a list or tuple of ints, numpy integers or 0-d integer
-    tensors, or a numpy array / torch tensor of integers (what a sampler hands back)."""
-    if hasattr(ids, "tolist"):  # a torch tensor or numpy array
-        ids = ids.tolist()
-    if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
-        raise TypeError(f"{caller} expects a sequence of int ids, got {type(ids).__name__}")
-    out = []
-    for i in ids:
-        try:  # operator.index accepts exactly the integer types (numpy.int64, an int tensor), not 1.0
-            if isinstance(i, bool):
-                raise TypeError
-            out.append(operator.index(i))
-        except TypeError:
-            raise TypeError(f"{caller} expects int ids, got {i!r} ({type(i).__name__})") from None
-    return out
-
-
-def _lone_surrogate_error(text: str) -> ValueError:
-    """The error for text holding a lone surrogate (U+D800..U+DFFF), which has no UTF-8 bytes.
-
-    Python strings can hold one (from ``errors="surrogateescape"``, or a JSON ``"\\ud800"``
-    escape without its pair); HF ``tokenizers`` refuses such a str with a TypeError.
-    """
-    pos = next(i for i, char in enumerate(text) if "\ud800" <= char <= "\udfff")
-    return ValueError(
-        f"encode(): text[{pos}] is a lone surrogate U+{ord(text[pos]):04X}, which has no UTF-8 encoding "
-        f"(the text has {len(text)} characters)"
-    )

@@ -1,7 +1,7 @@
 """Tokenizer files as functions: ``load_tokenizer``, ``save_tokenizer``, ``tokenizer_from_gguf_fields``.
 
 The formats themselves (HF ``tokenizer.json``, GGUF metadata, GPT-2's ``encoder.json`` +
-``vocab.bpe``) are read and written in ``formats``, which turns a file into the arguments of
+``vocab.bpe``) are read in ``formats`` (and written in ``writer``), which turns a file into the arguments of
 ``Tokenizer(...)`` and knows nothing of the class. ``Tokenizer.from_file`` and ``Tokenizer.save``
 use it; this module, above both, offers the same as plain functions.
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from minillm.tokenizer.bpe import Tokenizer
-from minillm.tokenizer.formats import gguf_tokenizer_file
+from minillm.tokenizer.gguf_vocab import gguf_tokenizer_file
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:

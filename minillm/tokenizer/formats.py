@@ -1,13 +1,13 @@
-"""Reading and writing tokenizer files: HF ``tokenizer.json``, GGUF, and GPT-2's original files.
+"""Reading tokenizer files: HF ``tokenizer.json``, GGUF, and GPT-2's original files.
 
 All three store the same three things: the vocabulary (token string -> id, with bytes shown
 through GPT-2's byte<->unicode map), the merges in rank order, and the special tokens. Only
-JSON and GGUF are read; nothing is ever unpickled.
+JSON and GGUF are read; nothing is ever unpickled. This module reads the JSON formats and sends
+a ``.gguf`` to ``gguf_vocab``; ``writer`` writes ``tokenizer.json``.
 
-This module knows the formats, not the ``Tokenizer`` class: reading a file gives a
-``TokenizerFile``, the arguments of ``Tokenizer(...)``, and writing one reads a tokenizer's
-attributes. So ``Tokenizer.from_file`` and ``Tokenizer.save`` (in ``bpe``) build on this module,
-and ``files`` holds the same as functions (``load_tokenizer``, ``save_tokenizer``).
+These modules know the formats, not the ``Tokenizer`` class: reading a file gives a
+``TokenizerFile``, the arguments of ``Tokenizer(...)``. So ``Tokenizer.from_file`` and
+``Tokenizer.save`` (in ``bpe``) build on them, and ``files`` holds the same as functions.
 
 A tokenizer file is input like any other, and a small one can be hostile: an id of 10**8 asks
 for an 800 MB table, a repeated token silently loses an id, a path may be a FIFO that blocks
@@ -21,61 +21,18 @@ from __future__ import annotations
 import json
 import os
 import stat
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any
 
 from minillm.errors import FileFormatError
-from minillm.gguf_io import gguf_fields, open_gguf
 from minillm.safe_io import existing_path
-from minillm.tokenizer.bytes_unicode import bytes_to_token, token_to_bytes
-from minillm.tokenizer.pretokenize import GGUF_PRE_PATTERNS, PreTokenizer
+from minillm.tokenizer.gguf_vocab import read_gguf_tokenizer
+from minillm.tokenizer.pretokenize import PreTokenizer
+from minillm.tokenizer.vocab_file import TokenizerFile, is_int, merges_from_strings, vocab_from_strings
 
 # Larger than any real tokenizer file (Llama 3's tokenizer.json is 9 MB). A sparse file can be
 # terabytes long while taking no disk space; reading it whole would exhaust memory.
 _MAX_FILE_BYTES = 256 << 20
-
-# GGUF token types (llama.cpp's llama_token_type)
-_GGUF_CONTROL = 3
-_GGUF_USER_DEFINED = 4
-
-T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class TokenizerFile:
-    """What a tokenizer file holds: the keyword arguments of ``Tokenizer(...)``, and the file they
-    came from (named in errors)."""
-
-    path: Path
-    arguments: dict[str, Any]
-
-    def build(self, cls: Callable[..., T]) -> T:
-        """``cls(**arguments)``; a consistency problem (a ValueError) becomes an error naming the file."""
-        try:
-            return cls(**self.arguments)
-        except ValueError as err:
-            raise FileFormatError(f"{self.path}: {err}") from None
-
-
-class SavableTokenizer(Protocol):
-    """What writing a tokenizer file reads from a tokenizer (``Tokenizer`` has all of it)."""
-
-    vocab: dict[int, bytes]
-    merges: list[tuple[int, int]]
-    special_tokens: dict[str, int]
-    pretokenizer: PreTokenizer
-    nfc: bool
-    ignore_merges: bool
-    add_bos: bool
-    add_eos: bool
-    bos_id: int | None
-    eos_id: int | None
-    pad_id: int | None
-    chat_template: str | None
-
-    def id_to_token(self, token_id: int) -> str: ...
 
 
 def read_tokenizer_file(path: str | Path) -> TokenizerFile:
@@ -94,7 +51,7 @@ def read_tokenizer_file(path: str | Path) -> TokenizerFile:
         )
     _is_regular_file(path)
     if path.suffix == ".gguf":
-        return _load_gguf(path)
+        return read_gguf_tokenizer(path)
     if path.suffix == ".json":
         return _load_tokenizer_json(path)
     raise FileFormatError(f"{path}: unknown tokenizer file type (expected .json, .gguf or a folder)")
@@ -111,48 +68,6 @@ def _is_regular_file(path: Path) -> bool:
         raise FileFormatError(f"{path}: not a regular file (a folder, FIFO, device or socket); tokenizers are files")
     return False
 
-
-def _vocab_from_strings(path: Path, token_to_id: Any, special: dict[str, int], field: str) -> dict[int, bytes]:
-    """id -> bytes of a vocabulary written as token string -> id (``field`` names it in errors).
-
-    The ids must be 0 .. len - 1: HF tokenizers numbers added tokens from ``len(vocab)``, so a
-    vocabulary with holes would collide with them, and minillm's id table is a list.
-    """
-    if not isinstance(token_to_id, dict):
-        raise FileFormatError(f"{path}: {field} must map token strings to ids, got a {type(token_to_id).__name__}")
-    vocab: dict[int, bytes] = {}
-    for token, i in token_to_id.items():
-        if not isinstance(i, int) or isinstance(i, bool) or i < 0:
-            raise FileFormatError(f"{path}: {field}: the id of token {token!r} is {i!r}, not a non-negative int")
-        if i >= len(token_to_id):
-            raise FileFormatError(
-                f"{path}: {field}: token {token!r} has id {i}, but the vocabulary has {len(token_to_id)} entries "
-                f"(ids must be 0..{len(token_to_id) - 1})"
-            )
-        if i in vocab:
-            raise FileFormatError(f"{path}: {field}: id {i} is given to two tokens (one is {token!r})")
-        try:
-            vocab[i] = token_to_bytes(token)
-        except ValueError as err:
-            if token in special:  # e.g. a special token written with non-byte-level characters
-                continue
-            raise FileFormatError(f"{path}: {err}") from None
-    return vocab
-
-
-def _merges_from_strings(path: Path, lines: Any, token_to_id: dict[str, int]) -> list[tuple[int, int]]:
-    if not isinstance(lines, list):
-        raise FileFormatError(f"{path}: merges must be a list, got a {type(lines).__name__}")
-    merges: list[tuple[int, int]] = []
-    for n, line in enumerate(lines):
-        parts = line.split(" ") if isinstance(line, str) else line
-        if not isinstance(parts, list) or len(parts) != 2 or not all(isinstance(part, str) for part in parts):
-            raise FileFormatError(f"{path}: merge #{n} {line!r} is not a pair of tokens")
-        a, b = parts
-        if a not in token_to_id or b not in token_to_id:
-            raise FileFormatError(f"{path}: merge #{n} {line!r} uses a token that is not in the vocabulary")
-        merges.append((token_to_id[a], token_to_id[b]))
-    return merges
 
 
 def _read_text(path: Path) -> str:
@@ -206,8 +121,8 @@ def _load_gpt2_files(vocab_path: Path, merges_path: Path) -> TokenizerFile:
     lines = _read_text(merges_path).splitlines()
     lines = [line for line in lines if line and not line.startswith("#version")]
     special = {t: i for t, i in token_to_id.items() if t == "<|endoftext|>"}
-    vocab = _vocab_from_strings(vocab_path, token_to_id, special, "the vocabulary")
-    merges = _merges_from_strings(merges_path, lines, token_to_id)
+    vocab = vocab_from_strings(vocab_path, token_to_id, special, "the vocabulary")
+    merges = merges_from_strings(merges_path, lines, token_to_id)
     eos = "<|endoftext|>" if special else None
     arguments = {"vocab": vocab, "merges": merges, "special_tokens": special, "bos_token": eos, "eos_token": eos}
     return TokenizerFile(vocab_path, arguments)
@@ -225,8 +140,8 @@ def _load_tokenizer_json(path: Path) -> TokenizerFile:
         kind = type(model["vocab"]).__name__
         raise FileFormatError(f"{path}: model.vocab must map token strings to ids, got a {kind}")
     special = _added_tokens(path, spec.get("added_tokens", []), model["vocab"])
-    vocab = _vocab_from_strings(path, model["vocab"], special, "model.vocab")
-    merges = _merges_from_strings(path, model["merges"], model["vocab"])
+    vocab = vocab_from_strings(path, model["vocab"], special, "model.vocab")
+    merges = merges_from_strings(path, model["merges"], model["vocab"])
     _check_bpe_options(path, model, vocab)
     try:
         pretokenizer = PreTokenizer.from_hf(spec.get("pre_tokenizer"))
@@ -276,7 +191,7 @@ def _added_tokens(path: Path, entries: Any, model_vocab: dict[str, Any]) -> dict
     next_id = len(model_vocab)
     for n, entry in enumerate(entries):
         field = f"added_tokens[{n}]"
-        if not isinstance(entry, dict) or not isinstance(entry.get("content"), str) or not _is_int(entry.get("id")):
+        if not isinstance(entry, dict) or not isinstance(entry.get("content"), str) or not is_int(entry.get("id")):
             raise FileFormatError(f"{path}: {field} needs a str 'content' and an int 'id', got {entry!r}")
         content, token_id = entry["content"], entry["id"]
         if not content:
@@ -317,9 +232,6 @@ def _check_bpe_options(path: Path, model: dict[str, Any], vocab: dict[int, bytes
                 f"vocabulary (e.g. 0x{missing[0]:02x}) is not supported"
             )
 
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _chat_template(path: Path, value: Any) -> str | None:
@@ -367,160 +279,3 @@ def _template_specials(post_processor: dict[str, Any] | None) -> tuple[list[str]
                     (suffix if seen_text else prefix).append(piece["SpecialToken"]["id"])
             return prefix, suffix
     return [], []
-
-
-def write_tokenizer_file(tokenizer: SavableTokenizer, path: str | Path) -> None:
-    """Write ``tokenizer.json`` (loadable by HF ``tokenizers``) and a ``tokenizer_config.json``
-    beside it holding the chat template and the BOS/EOS/PAD roles. ``path`` is a ``.json``
-    file or a folder (created if needed)."""
-    path = Path(path)
-    if path.suffix != ".json":  # a folder, existing or not
-        path = path / "tokenizer.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    special_ids = set(tokenizer.special_tokens.values())
-    vocab = {bytes_to_token(data): i for i, data in sorted(tokenizer.vocab.items()) if i not in special_ids}
-    vocab.update({content: i for content, i in tokenizer.special_tokens.items() if i in tokenizer.vocab})
-    merges = [f"{tokenizer.id_to_token(a)} {tokenizer.id_to_token(b)}" for a, b in tokenizer.merges]
-    added = [
-        {
-            "id": i,
-            "content": content,
-            "single_word": False,
-            "lstrip": False,
-            "rstrip": False,
-            "normalized": False,
-            "special": True,
-        }
-        for content, i in sorted(tokenizer.special_tokens.items(), key=lambda item: item[1])
-    ]
-    spec = {
-        "version": "1.0",
-        "truncation": None,
-        "padding": None,
-        "added_tokens": added,
-        "normalizer": {"type": "NFC"} if tokenizer.nfc else None,
-        "pre_tokenizer": tokenizer.pretokenizer.to_hf(),
-        "post_processor": _template_processor(tokenizer),
-        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
-        "model": {
-            "type": "BPE",
-            "dropout": None,
-            "unk_token": None,
-            "continuing_subword_prefix": None,
-            "end_of_word_suffix": None,
-            "fuse_unk": False,
-            "byte_fallback": False,
-            "ignore_merges": tokenizer.ignore_merges,
-            "vocab": vocab,
-            "merges": merges,
-        },
-    }
-    path.write_text(json.dumps(spec, ensure_ascii=False, indent=1), encoding="utf-8")
-
-    def name(token_id: int | None) -> str | None:
-        return tokenizer.id_to_token(token_id) if token_id is not None else None
-
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": name(tokenizer.bos_id),
-        "eos_token": name(tokenizer.eos_id),
-        "pad_token": name(tokenizer.pad_id),
-        "add_bos_token": tokenizer.add_bos,
-        "add_eos_token": tokenizer.add_eos,
-        "chat_template": tokenizer.chat_template,
-    }
-    (path.parent / "tokenizer_config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
-
-
-def _template_processor(tokenizer: SavableTokenizer) -> dict[str, Any] | None:
-    prefix = [tokenizer.bos_id] if tokenizer.add_bos and tokenizer.bos_id is not None else []
-    suffix = [tokenizer.eos_id] if tokenizer.add_eos and tokenizer.eos_id is not None else []
-    if not prefix and not suffix:
-        return None
-
-    def special(token_id: int) -> dict[str, Any]:
-        return {"SpecialToken": {"id": tokenizer.id_to_token(token_id), "type_id": 0}}
-
-    single = [special(i) for i in prefix] + [{"Sequence": {"id": "A", "type_id": 0}}] + [special(i) for i in suffix]
-    return {
-        "type": "TemplateProcessing",
-        "single": single,
-        "pair": single + [{"Sequence": {"id": "B", "type_id": 1}}],
-        "special_tokens": {
-            tokenizer.id_to_token(i): {"id": tokenizer.id_to_token(i), "ids": [i], "tokens": [tokenizer.id_to_token(i)]}
-            for i in prefix + suffix
-        },
-    }
-
-
-# ------------------------------------------------------------------------------ GGUF
-def gguf_tokenizer_file(path: Path, fields: dict[str, Any]) -> TokenizerFile:
-    """The tokenizer stored in GGUF metadata (keys ``tokenizer.ggml.*``).
-
-    A token's id is its index in ``tokenizer.ggml.tokens``, so the list must not repeat a token
-    (the repeat's id would be lost), and ``tokenizer.ggml.token_type``, which marks the special
-    tokens, must have one entry per token.
-    """
-
-    def need(key: str) -> Any:
-        if key not in fields:
-            raise FileFormatError(f"{path}: GGUF metadata has no {key!r}")
-        return fields[key]
-
-    kind = need("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise FileFormatError(f"{path}: tokenizer model {kind!r} is not supported (minillm reads byte-level BPE, 'gpt2')")
-    pre = fields.get("tokenizer.ggml.pre", "default")
-    if not isinstance(pre, str) or pre not in GGUF_PRE_PATTERNS:
-        raise FileFormatError(
-            f"{path}: pre-tokenizer {pre!r} is not supported (known: {', '.join(sorted(GGUF_PRE_PATTERNS))})"
-        )
-    tokens = need("tokenizer.ggml.tokens")
-    if not isinstance(tokens, list) or not all(isinstance(token, str) for token in tokens):
-        raise FileFormatError(f"{path}: tokenizer.ggml.tokens must be an array of strings")
-    types = fields.get("tokenizer.ggml.token_type", [1] * len(tokens))
-    if not isinstance(types, list) or not all(_is_int(t) for t in types):
-        raise FileFormatError(f"{path}: tokenizer.ggml.token_type must be an array of ints")
-    if len(types) != len(tokens):
-        raise FileFormatError(
-            f"{path}: tokenizer.ggml.token_type has {len(types)} entries but tokenizer.ggml.tokens has {len(tokens)}"
-        )
-    token_to_id: dict[str, int] = {}
-    for i, token in enumerate(tokens):
-        if token in token_to_id:
-            raise FileFormatError(
-                f"{path}: tokenizer.ggml.tokens[{i}] {token!r} repeats tokenizer.ggml.tokens[{token_to_id[token]}]"
-            )
-        token_to_id[token] = i
-    special = {tokens[i]: i for i, t in enumerate(types) if t in (_GGUF_CONTROL, _GGUF_USER_DEFINED)}
-    vocab = _vocab_from_strings(path, token_to_id, special, "tokenizer.ggml.tokens")
-    merges = _merges_from_strings(path, need("tokenizer.ggml.merges"), token_to_id)
-
-    def role(key: str) -> str | None:
-        field = f"tokenizer.ggml.{key}_token_id"
-        i = fields.get(field)
-        if i is None:
-            return None
-        if not _is_int(i) or not 0 <= i < len(tokens):
-            raise FileFormatError(f"{path}: {field} is {i!r}, not an id below the {len(tokens)} tokens")
-        return tokens[i] if tokens[i] in special else None
-
-    chat_template = fields.get("tokenizer.chat_template")
-    if chat_template is not None and not isinstance(chat_template, str):
-        raise FileFormatError(f"{path}: tokenizer.chat_template must be a string")
-    return TokenizerFile(path, {
-        "vocab": vocab,
-        "merges": merges,
-        "special_tokens": special,
-        "pretokenizer": PreTokenizer(GGUF_PRE_PATTERNS[pre]),
-        "bos_token": role("bos"),
-        "eos_token": role("eos"),
-        "pad_token": role("padding"),
-        "add_bos": bool(fields.get("tokenizer.ggml.add_bos_token", False)),
-        "add_eos": bool(fields.get("tokenizer.ggml.add_eos_token", False)),
-        "chat_template": chat_template,
-    })
-
-
-def _load_gguf(path: Path) -> TokenizerFile:
-    return gguf_tokenizer_file(path, gguf_fields(open_gguf(path)))
