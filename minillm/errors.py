@@ -14,3 +14,7 @@ class MinillmError(Exception):
 
 class FileFormatError(MinillmError, ValueError):
     """A file exists but its contents are not what minillm expected (malformed or unsupported)."""
+
+
+class GenerationError(MinillmError, RuntimeError):
+    """One request could not go on (say its logits held NaN); the requests batched with it were unaffected."""

@@ -52,6 +52,7 @@ class BeamSearch(SequenceGroup):
         self.finished: list[tuple[float, list[int]]] = []  # (score, tokens), best first, at most num_beams
         self.can_improve = True
         self.done = self.params.max_new_tokens == 0
+        self.error: str | None = None  # why the search could not go on (its logits held NaN)
 
     @property
     def seats(self) -> int:
@@ -87,6 +88,11 @@ class BeamSearch(SequenceGroup):
         candidates, fork the beams they extend, free the rest; set ``done`` when it ends."""
         num_beams, length_penalty = self.params.num_beams, self.params.length_penalty
         log_probs = torch.log_softmax(logits.float(), dim=-1)
+        if torch.isnan(log_probs).any():  # this search alone ends; the rest of the batch goes on
+            self.error = f"the model's logits hold NaN ({int(torch.isnan(logits).sum())} of {logits.numel()})"
+            self.free(manager)
+            self.beams, self.finished, self.done = [], [], True
+            return
         if self.params.repetition_penalty != 1.0:
             histories = torch.tensor([self.prompt_ids + tokens for _, tokens, _ in self.beams], device=logits.device)
             log_probs = RepetitionPenalty(self.params.repetition_penalty)(histories, log_probs)

@@ -30,8 +30,9 @@ from minillm.engine.beam import BeamSearch
 from minillm.engine.request import Completion, Request
 from minillm.engine.runner import ModelRunner
 from minillm.engine.scheduler import ScheduledBatch, Scheduler
+from minillm.errors import GenerationError
 from minillm.model.llama import Transformer
-from minillm.sampling import SamplingParams, SamplingState, make_generator, sample_batch
+from minillm.sampling import NO_TOKEN, SamplingParams, SamplingState, make_generator, sample_batch
 from minillm.tokenizer import Tokenizer
 
 Unit = Request | BeamSearch  # the sequence groups the engine makes (``sequence.SequenceGroup``)
@@ -64,6 +65,8 @@ class TextStream:
             delta, self._sent = request.text[self._sent :], len(request.text)
             return delta
         self.completion = request.completion()
+        if request.finish_reason == "error":
+            raise GenerationError(f"generation failed: {request.error}")
         raise StopIteration
 
     def close(self) -> None:
@@ -157,7 +160,9 @@ class Engine:
         self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
     ) -> list[Completion]:
         """Complete every prompt (``params.n`` completions each, in prompt order). A prompt is a
-        string, or a list of token ids (a pre-tokenized prompt, used as it is)."""
+        string, or a list of token ids (a pre-tokenized prompt, used as it is). A completion that
+        failed alone (its logits held NaN) has ``finish_reason == "error"`` and says why in
+        ``error``; the others are what they would have been without it."""
         if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         if not isinstance(prompts, Sequence) or isinstance(prompts, (bytes, bytearray)):
@@ -286,6 +291,8 @@ class Engine:
         return BeamSearch(self._encode(prompt, params), params, self.eos_ids, self._new_seq_id)
 
     def _beam_completions(self, prompt: Prompt, search: BeamSearch) -> list[Completion]:
+        if search.error is not None:
+            return [Completion(_as_text(prompt, self.tokenizer), "", [], "error", search.error)] * search.params.n
         completions = []
         for token_ids in search.best(search.params.n) or [[]]:
             request = Request(-1, _as_text(prompt, self.tokenizer), search.prompt_ids, search.params, self.tokenizer, self.eos_ids)
@@ -359,6 +366,10 @@ class Engine:
         tokens = sample_batch(logits, [r.sampling for r in requests]).tolist()  # the one host read per forward
         events = []
         for request, token in zip(requests, tokens):
+            if token == NO_TOKEN:  # this row alone failed (NaN logits, an overflow): it ends, and retires
+                request.fail(request.sampling.error or "its logits could not be sampled")  # with the finished
+                events.append((request, ""))
+                continue
             request.sampling.record(token)
             events.append((request, request.append(token)))
         return events

@@ -28,7 +28,10 @@ class Completion:
     prompt: str
     text: str
     token_ids: list[int]
-    finish_reason: str  # "eos", "stop", "length", or "abort" (ended by the caller or a failed step)
+    # "eos", "stop", "length", "abort" (ended by the caller or a failed step), or "error" (this
+    # request alone could not go on: ``error`` says why; the others in its batch were unaffected)
+    finish_reason: str
+    error: str | None = None
 
 
 class StopStringFilter:
@@ -86,6 +89,7 @@ class Request(SequenceGroup):
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
+    error: str | None = None  # set with finish_reason "error"
 
     def __post_init__(self) -> None:
         self._detokenizer = StreamingDetokenizer(self.tokenizer, skip_special_tokens=True)
@@ -135,6 +139,11 @@ class Request(SequenceGroup):
         if not self.finished:
             self.finish_reason = "abort"
 
+    def fail(self, error: str) -> None:
+        """End this request alone with an error (its logits could not be sampled)."""
+        if not self.finished:
+            self.finish_reason, self.error = "error", error
+
     def append(self, token_id: int) -> str:
         """Record a new token, apply the stop rules, and return the new text to stream."""
         self.output_ids.append(token_id)
@@ -152,4 +161,4 @@ class Request(SequenceGroup):
         return delta
 
     def completion(self) -> Completion:
-        return Completion(self.prompt, self.text, list(self.output_ids), self.finish_reason or "length")
+        return Completion(self.prompt, self.text, list(self.output_ids), self.finish_reason or "length", self.error)

@@ -16,9 +16,17 @@ from minillm.sampling.processors import (
     apply_processors,
     build_processors,
 )
-from minillm.sampling.sampler import SamplingState, filtered_distribution, make_generator, next_token, sample_batch
+from minillm.sampling.sampler import (
+    NO_TOKEN,
+    SamplingState,
+    filtered_distribution,
+    make_generator,
+    next_token,
+    sample_batch,
+)
 
 __all__ = [
+    "NO_TOKEN",
     "LogitsProcessor",
     "MinP",
     "RepetitionPenalty",

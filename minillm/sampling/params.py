@@ -22,6 +22,16 @@ _SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes at most 64 bits
 # overflow to inf and the softmax turns to NaN, while at 1e-5 any real logit gap already puts
 # all the probability on the top token.
 GREEDY_TEMPERATURE = 1e-5
+# A repetition penalty scales a seen token's logit by 1/p or p. Real use stays near 1 (1.1-1.5);
+# far outside these bounds it is no longer a penalty but an override, and at 1e-300 the scaled
+# logits overflow to inf and every probability turns to NaN.
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+# Beam search divides a finished beam's score by length ** length_penalty: at 8192 tokens an
+# exponent of 79 already overflows a float. transformers' examples use 0.6-2.
+LENGTH_PENALTY_LIMIT = 16.0
+# The most completions (n) and beams one set of parameters may ask for: each is an engine row
+# with its own state, and the server allows the same number per request.
+MAX_COMPLETIONS = 128
 
 
 def _as_int(name: str, value: Any) -> int:
@@ -72,16 +82,17 @@ class SamplingParams:
         min_p: keep tokens whose probability is at least ``min_p`` times the top token's
             (in [0, 1]; 0 turns it off).
         repetition_penalty: > 1 discourages tokens already in the prompt or the output
-            (> 0; 1 turns it off).
-        num_beams: beam search width (>= 1; 1 means no beam search).
+            (in [0.01, 100]; 1 turns it off).
+        num_beams: beam search width (1 to 128; 1 means no beam search).
         length_penalty: beam search only: a finished beam's score is divided by
-            ``length ** length_penalty`` (> 0 favours longer outputs, < 0 shorter ones).
+            ``length ** length_penalty`` (> 0 favours longer outputs, < 0 shorter ones; at most 16
+            either way).
         stop: strings that end generation when they appear in the output (a str or a list
             of str; normalised to a tuple of non-empty strings).
         seed: seeds the random generator, so the same request draws the same tokens.
         ignore_eos: keep generating past the end-of-sequence token (benchmarks use this to
             get a fixed number of tokens).
-        n: completions to generate per prompt (>= 1); with beam search, the ``n`` best beams
+        n: completions to generate per prompt (1 to 128); with beam search, the ``n`` best beams
             (``n <= num_beams``, as transformers' ``num_return_sequences``).
     """
 
@@ -119,15 +130,18 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r} ({type(self.ignore_eos).__name__})")
 
+        low, high = REPETITION_PENALTY_RANGE
         checks = [
             ("max_new_tokens", self.max_new_tokens >= 0, ">= 0"),
             ("temperature", self.temperature >= 0, ">= 0"),
             ("top_k", self.top_k >= 0, ">= 0"),
             ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
             ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"),
-            ("repetition_penalty", self.repetition_penalty > 0, "> 0"),
-            ("num_beams", self.num_beams >= 1, ">= 1"),
-            ("n", self.n >= 1, ">= 1"),
+            ("repetition_penalty", low <= self.repetition_penalty <= high, f"in [{low}, {high:g}]"),
+            ("num_beams", 1 <= self.num_beams <= MAX_COMPLETIONS, f"in [1, {MAX_COMPLETIONS}]"),
+            ("length_penalty", abs(self.length_penalty) <= LENGTH_PENALTY_LIMIT,
+             f"in [-{LENGTH_PENALTY_LIMIT:g}, {LENGTH_PENALTY_LIMIT:g}]"),
+            ("n", 1 <= self.n <= MAX_COMPLETIONS, f"in [1, {MAX_COMPLETIONS}]"),
         ]
         for name, ok, rule in checks:
             if not ok:

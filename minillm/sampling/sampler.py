@@ -96,6 +96,10 @@ def next_token(
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
 
 
+# What ``sample_batch`` returns for a row whose scores cannot be sampled (see ``SamplingState.error``).
+NO_TOKEN = -1
+
+
 class SamplingState:
     """What one sequence's sampler keeps across steps: its parameters, its random stream, and
     (only when a repetition penalty asks for it) the set of token ids it has seen so far.
@@ -108,6 +112,7 @@ class SamplingState:
                  generator: torch.Generator | None, device: torch.device | str = "cpu") -> None:
         self.params = params
         self.generator = generator
+        self.error: str | None = None  # why ``sample_batch`` could not draw this row's token (it got NO_TOKEN)
         self.seen: torch.Tensor | None = None
         if params.repetition_penalty != 1.0:
             self.seen = seen_tokens(torch.tensor([list(prompt_ids)]), vocab_size, device)[0].clone()
@@ -125,6 +130,10 @@ def sample_batch(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch
     row by row, so a row's result does not depend on who else is in the batch: the same bits as
     ``next_token`` on that row alone). Greedy rows take the argmax; sampled rows draw with
     their own generator, so a seeded request gets the same tokens however it is batched.
+
+    One bad row never fails the others: a row whose scores hold a NaN, or whose probabilities
+    are not finite after its processors (an overflow), gets ``NO_TOKEN`` and the reason in
+    ``states[row].error``; every other row is sampled exactly as it would be without it.
     """
     if logits.dim() != 2 or logits.shape[0] != len(states):
         raise ValueError(f"logits must be [rows, vocab] with one row per state ({len(states)}), got {tuple(logits.shape)}")
@@ -142,20 +151,35 @@ def sample_batch(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch
             group = RepetitionPenalty(params.repetition_penalty).apply_seen(seen, group)
         if params.is_greedy:  # (temperature and the filters could not change the argmax)
             picked = argmax(group)
-            if index is None:
-                tokens = picked
-            else:
-                tokens[index] = picked
-            continue
-        no_history = torch.empty(len(rows), 0, dtype=torch.long, device=logits.device)  # none of them reads it
-        group = apply_processors(_draw_processors(params), no_history, group)
-        probs = group.softmax(dim=-1)
-        for i, row in enumerate(rows):
-            generator = states[row].generator
-            if generator is not None and generator.device.type != probs.device.type:
-                raise ValueError(f"the generator is on {generator.device} but the logits are on {probs.device}")
-            tokens[row] = torch.multinomial(probs[i : i + 1], num_samples=1, generator=generator)[0, 0]
+            bad = torch.isnan(group).any(dim=-1)
+        else:
+            no_history = torch.empty(len(rows), 0, dtype=torch.long, device=logits.device)  # none of them reads it
+            probs = apply_processors(_draw_processors(params), no_history, group).softmax(dim=-1)
+            bad = ~torch.isfinite(probs).all(dim=-1)
+            picked = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+            for i, row in enumerate(rows):
+                generator = states[row].generator
+                if generator is not None and generator.device.type != probs.device.type:
+                    raise ValueError(f"the generator is on {generator.device} but the logits are on {probs.device}")
+                if not bad[i]:  # (a bad row draws nothing: its generator stays where it was)
+                    picked[i] = torch.multinomial(probs[i : i + 1], num_samples=1, generator=generator)[0, 0]
+        if bad.any():  # one host read, only when a row failed
+            for i in bad.nonzero()[:, 0].tolist():
+                states[rows[i]].error = _why_unusable(logits[rows[i]], params)
+            picked[bad] = NO_TOKEN
+        if index is None:
+            tokens = picked
+        else:
+            tokens[index] = picked
     return tokens
+
+
+def _why_unusable(logits: torch.Tensor, params: SamplingParams) -> str:
+    """The reason one row's scores could not be sampled, for the error that ends its request."""
+    if torch.isnan(logits).any():
+        return f"the model's logits hold NaN ({int(torch.isnan(logits).sum())} of {logits.numel()})"
+    return (f"the scores are not finite after the logits processors (temperature={params.temperature}, "
+            f"repetition_penalty={params.repetition_penalty}): an overflow")
 
 
 def argmax(scores: torch.Tensor) -> torch.Tensor:

@@ -18,9 +18,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request as HttpRequest
 
 from minillm.sampling import SamplingParams
+from minillm.sampling.params import MAX_COMPLETIONS, REPETITION_PENALTY_RANGE
 
 MAX_BODY_BYTES = 8 * 2**20  # a request body larger than this is refused (413) before it is parsed
-MAX_CHOICES = 128  # prompts x n of one request: each choice is an engine request with its own state
+MAX_CHOICES = MAX_COMPLETIONS  # prompts x n of one request: each choice is an engine request with its own state
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: as many as fit)
 # The engine's finish reasons in OpenAI's words: EOS and a stop string are both "stop".
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
@@ -103,7 +104,7 @@ class GenerationBody(_Body):
     # Not in OpenAI's API, as in vLLM: the engine's other sampling knobs.
     top_k: int = Field(0, ge=-1)  # -1 (vLLM's "off") or 0: every token
     min_p: float = Field(0.0, ge=0, le=1)
-    repetition_penalty: float = Field(1.0, gt=0)
+    repetition_penalty: float = Field(1.0, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
     ignore_eos: bool = False
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:

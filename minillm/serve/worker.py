@@ -223,7 +223,11 @@ class EngineWorker:
         """Tell each job which of its choices finished (and why), and count them."""
         now = time.perf_counter()
         for request, (job, index) in list(self._owners.items()):
-            if request.finished:
+            if request not in self._owners:  # (its job failed through another of its choices)
+                continue
+            if request.finish_reason == "error":  # this request alone failed: its job ends with the error
+                self._fail(job, ApiError(500, f"generation failed: {request.error}", type="server_error"))
+            elif request.finished:
                 del self._owners[request]
                 reason = FINISH_REASONS[request.finish_reason or "length"]
                 first = self._first_token_at.pop(request, now)
