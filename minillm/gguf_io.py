@@ -305,6 +305,13 @@ class _Parser:
                 raise self.fail(f"tensor {name} appears twice")
             names.add(name)
             tensors.append(self.tensor(name, dims, tensor_type, offset, data_offset, alignment))
+        # Two tensors sharing bytes is no file llama.cpp writes: one of them would be wrong (the
+        # safetensors reader refuses the same).
+        by_start = sorted(tensors, key=lambda t: t.data_offset)
+        for before, after in zip(by_start, by_start[1:]):
+            if after.data_offset < before.data_offset + before.n_bytes:
+                raise _bad(self.path, f"tensors {before.name} (bytes {before.data_offset:,}..{before.data_offset + before.n_bytes:,}) "
+                                      f"and {after.name} (from byte {after.data_offset:,}) overlap")
         return GGUFFile(self.path, version, fields, tensors, alignment, data_offset)
 
 

@@ -30,6 +30,25 @@ class ModelShape(KVShape, Protocol):
     tie_word_embeddings: bool
 
 
+def free_memory(device: torch.device | str) -> int | None:
+    """Bytes that can still be allocated on ``device`` (Linux's MemAvailable for the CPU), or None
+    where it cannot be known. A pool larger than this is refused before it is allocated: the
+    operating system hands out untouched pages freely, so an oversized ``torch.zeros`` would
+    otherwise end in the process being killed while the pages are filled, not in an error."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+    return None
+
+
 def bytes_per_element(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 

@@ -20,6 +20,7 @@ Three parts, kept apart as nano-vllm and vLLM keep them:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -27,6 +28,7 @@ import torch
 
 from minillm.cache.base import KVShape
 from minillm.cache.block_manager import BlockAllocator, BlockManager
+from minillm.cache.memory import free_memory
 
 TABLE_WIDTH_STEP = 4  # block tables are padded to a multiple of this many blocks (fewer shapes)
 
@@ -48,11 +50,16 @@ class PagedKVCache:
         dtype: torch.dtype = torch.float32,
         prefix_caching: bool = False,
     ) -> None:
+        shape = (num_blocks + 1, config.n_kv_heads, block_size, config.head_dim)
+        needed = 2 * config.n_layers * math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        free = free_memory(device)
+        if free is not None and needed > free:  # (checked before the manager lists num_blocks free blocks)
+            raise MemoryError(f"the KV pools need {needed / 2**30:,.1f} GiB but {torch.device(device)} has "
+                              f"{free / 2**30:,.1f} GiB free")
         self.config = config
         self.manager = BlockManager(num_blocks, block_size, prefix_caching)
         self.block_size = block_size
         self.scratch_block = num_blocks
-        shape = (num_blocks + 1, config.n_kv_heads, block_size, config.head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
 

@@ -35,6 +35,11 @@ from minillm.model.llama import Transformer
 from minillm.sampling import NO_TOKEN, SamplingParams, SamplingState, make_generator, sample_batch
 from minillm.tokenizer import Tokenizer
 
+# Far beyond any real use (vLLM's default batch is 256 rows, its blocks 16 tokens), and small
+# enough that a typo fails here, naming the argument, rather than in an allocator.
+MAX_BATCH_SIZE = 4096
+MAX_BLOCK_SIZE = 1024
+
 Unit = Request | BeamSearch  # the sequence groups the engine makes (``sequence.SequenceGroup``)
 Prompt = str | Sequence[int]  # text, or token ids used as they are
 
@@ -111,10 +116,10 @@ class Engine:
         prefix_caching: bool = False,
         prefill_chunk_tokens: int | None = None,
     ) -> None:
-        max_batch_size = _positive_int("max_batch_size", max_batch_size)
+        max_batch_size = _positive_int("max_batch_size", max_batch_size, MAX_BATCH_SIZE)
         if prefill_chunk_tokens is not None:
             prefill_chunk_tokens = _positive_int("prefill_chunk_tokens", prefill_chunk_tokens)
-        block_size = _positive_int("block_size", block_size)
+        block_size = _positive_int("block_size", block_size, MAX_BLOCK_SIZE)
         if kv_cache_tokens is not None:
             kv_cache_tokens = _positive_int("kv_cache_tokens", kv_cache_tokens)
         self.model = model
@@ -127,8 +132,11 @@ class Engine:
         except (MemoryError, RuntimeError) as err:  # the allocator's own message often names no size
             gib = 2 * model.config.n_layers * (num_blocks + 1) * model.config.n_kv_heads * block_size \
                 * model.config.head_dim * model.dtype.itemsize / 2**30
-            raise ValueError(f"a KV cache of {tokens:,} tokens (kv_cache_tokens) needs {gib:,.1f} GiB on "
-                             f"{model.device}, which could not be allocated: ask for fewer tokens") from err
+            asked = "kv_cache_tokens" if kv_cache_tokens is not None else \
+                f"1024 per row of max_batch_size={max_batch_size}, the default kv_cache_tokens"
+            raise ValueError(f"a KV cache of {num_blocks:,} blocks of {block_size} tokens ({asked}) needs "
+                             f"{gib:,.1f} GiB on {model.device}, which could not be allocated"
+                             f"{f' ({err})' if str(err) else ''}: ask for fewer tokens") from err
         self.runner = ModelRunner(model, self.cache, backend)
         default_eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
         self.eos_ids = frozenset(eos_ids if eos_ids is not None else default_eos)
@@ -379,11 +387,13 @@ class Engine:
         return self._next_seq_id - 1
 
 
-def _positive_int(name: str, value: object) -> int:
+def _positive_int(name: str, value: object, limit: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+        raise TypeError(f"{name} must be an int, got {value!r:.80} ({type(value).__name__})")
     if value < 1:
         raise ValueError(f"{name} must be >= 1, got {value}")
+    if limit is not None and value > limit:
+        raise ValueError(f"{name} must be at most {limit:,}, got {value:,}")
     return value
 
 

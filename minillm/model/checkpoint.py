@@ -102,6 +102,8 @@ def read_safetensors(headers: dict[str, TensorInfo]) -> dict[str, torch.Tensor]:
             with safe_open(file, framework="pt") as f:
                 for name in names:
                     state[name] = f.get_tensor(name)
+                    if not torch.isfinite(state[name]).all():  # no trained weight is inf or NaN: the bytes are damaged
+                        raise FileFormatError(f"{file}: tensor {name} holds NaN or infinite values")
         except (SafetensorError, OSError) as err:
             raise FileFormatError(f"{file}: not a readable safetensors file ({err})") from None
     return state
