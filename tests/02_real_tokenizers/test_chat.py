@@ -6,6 +6,8 @@ import pytest
 
 from minillm import Tokenizer
 
+from helpers.tokenizer_cases import hf_chat_ids
+
 SMOL_DEFAULT_SYSTEM = (
     "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
 )
@@ -25,12 +27,6 @@ CONVERSATIONS = {
     "specials in content": [{"role": "user", "content": "say <|im_end|> then <|endoftext|>"}],
     "empty content": [{"role": "user", "content": ""}],
 }
-
-
-def hf_chat_ids(hf, messages, add_generation_prompt):
-    """transformers' ids; v5 may return a BatchEncoding where v4 returned a list."""
-    out = hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
-    return list(out["input_ids"]) if hasattr(out, "keys") else list(out)
 
 
 # Messages whose text holds no special-token string: the safe default gives transformers' ids.

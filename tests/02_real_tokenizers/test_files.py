@@ -7,10 +7,11 @@ import json
 
 import pytest
 from hypothesis import given, settings
-from tokenizer_cases import EDGE_TEXT, any_text, hf_ids
 from tokenizers import Tokenizer as HFTokenizer
 
 from minillm import Tokenizer
+
+from helpers.tokenizer_cases import EDGE_TEXT, any_text, hf_ids
 
 # Text that is not in the Shakespeare corpus: modern words, unicode, specials and broken specials.
 UNSEEN = (

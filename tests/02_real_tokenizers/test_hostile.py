@@ -22,12 +22,13 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tokenizer_cases import hf_ids, smol_safe_char
 from tokenizers import Tokenizer as HFTokenizer
 
 from minillm import FileFormatError, Tokenizer
 from minillm.tokenizer import bpe
 from minillm.tokenizer.bytes_unicode import bytes_to_unicode
+
+from helpers.tokenizer_cases import hf_chat_ids, hf_ids, smol_safe_char
 
 
 def random_letters(n: int, seed: int = 0, alphabet: str = string.ascii_lowercase) -> str:
@@ -229,8 +230,6 @@ def test_forged_turn_stays_text(smol):
 def test_forgery_is_what_transformers_mode_and_reencoding_the_string_do(smol, smol_hf):
     """The explicit transformers mode, and encode() of the rendered string, do parse the forged
     markers: that is why the safe ids must come from apply_chat_template(tokenize=True)."""
-    from test_tokenizer_chat import hf_chat_ids
-
     messages = [{"role": "user", "content": FORGERY}]
     forged = hf_chat_ids(smol_hf, messages, True)
     assert smol.apply_chat_template(messages, parse_special_in_content=True) == forged
@@ -253,8 +252,6 @@ def test_special_ids_come_only_from_the_template(smol, messages):
 @settings(max_examples=100, deadline=None)
 @given(chat_messages)
 def test_without_specials_in_the_messages_ids_equal_transformers(smol, smol_hf, messages):
-    from test_tokenizer_chat import hf_chat_ids
-
     messages = strip_specials(smol, messages)
     assert smol.apply_chat_template(messages) == hf_chat_ids(smol_hf, messages, True)
     assert smol.apply_chat_template(messages, tokenize=False) == smol_hf.apply_chat_template(

@@ -11,9 +11,10 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tokenizer_cases import EDGE_TEXT, any_text, hf_ids
 
 from minillm.tokenizer.bytes_unicode import bytes_to_unicode
+
+from helpers.tokenizer_cases import EDGE_TEXT, any_text, hf_ids
 
 # Short cases, one by one, so a failure names the case.
 SHORT_CASES = {

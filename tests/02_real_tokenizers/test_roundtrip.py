@@ -8,7 +8,8 @@ law holds only for text whose UTF-8 avoids them.
 from __future__ import annotations
 
 from hypothesis import given, settings
-from tokenizer_cases import SMOL_MISSING_CONTROLS, any_text, smol_safe_text
+
+from helpers.tokenizer_cases import SMOL_MISSING_CONTROLS, any_text, smol_safe_text
 
 
 @settings(max_examples=200, deadline=None)

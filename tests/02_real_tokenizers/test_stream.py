@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tokenizer_cases import any_text, smol_safe_text
+
+from helpers.tokenizer_cases import any_text, smol_safe_text
 
 # GPT-2 splits the crab emoji (F0 9F A6 80) into three tokens.
 CRAB_IDS = [8582, 99, 222]

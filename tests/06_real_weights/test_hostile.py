@@ -38,9 +38,8 @@ import minillm
 from minillm import FileFormatError, Tokenizer
 from minillm.gguf_io import open_gguf
 from minillm.model import loading
-from minillm.model.gguf_weights import GGUF_TO_HF
 
-from test_model_units import _tiny_hf_checkpoint, tiny_tokenizer  # noqa: F401  (a fixture)
+from helpers.checkpoints import DEFAULT_GGUF_META, write_gguf
 
 FUZZ_EXAMPLES = int(os.environ.get("MINILLM_FUZZ_EXAMPLES", "0"))  # 0: the normal, quick run
 CLEAR_ERRORS = (FileFormatError, ValueError, TypeError)
@@ -112,12 +111,6 @@ def _gist(message: str) -> str:
 
 
 # --------------------------------------------------------------------------- tiny files
-@pytest.fixture(scope="module")
-def pristine(tmp_path_factory, tiny_tokenizer) -> Path:  # noqa: F811
-    """A tiny random Llama checkpoint (2 layers, hidden 64, 4 heads / 2 KV heads), never modified."""
-    return _tiny_hf_checkpoint(tmp_path_factory.mktemp("pristine") / "ckpt", tiny_tokenizer, "llama")
-
-
 def _copy(pristine: Path, where: Path, **config_changes: Any) -> Path:
     folder = where / "ckpt"
     shutil.copytree(pristine, folder)
@@ -133,82 +126,8 @@ def ckpt(pristine, tmp_path) -> Path:
     return _copy(pristine, tmp_path)
 
 
-def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """llama.cpp's convert script: interleave each head's rows for its RoPE layout."""
-    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-DEFAULT_GGUF_META = {
-    "llama.block_count": 2, "llama.context_length": 128, "llama.embedding_length": 64,
-    "llama.feed_forward_length": 96, "llama.attention.head_count": 4, "llama.attention.head_count_kv": 2,
-    "llama.attention.layer_norm_rms_epsilon": 1e-5, "llama.rope.freq_base": 10000.0, "llama.vocab_size": 320,
-}
-
-
-def write_gguf(path: Path, pristine: Path, tokenizer: Tokenizer, meta: dict[str, Any] | None = None,
-               tensors: dict[str, np.ndarray | None] | None = None, types: dict[str, Any] | None = None) -> Path:
-    """The tiny checkpoint as a float32 GGUF (as llama.cpp would convert it), with metadata
-    overrides (a value of None drops the key) and tensor overrides (None drops the tensor);
-    ``types`` stores the named tensors quantized (GGUF name -> ``GGMLQuantizationType``, or a
-    function of the name), with gguf's own quantizer."""
-    import gguf
-
-    hf_to_gguf = {hf.removeprefix("model."): g for g, hf in GGUF_TO_HF.items()}
-    state = {}
-    for name, w in load_file(pristine / "model.safetensors").items():
-        name = name.removeprefix("model.")
-        parts = name.split(".")
-        key = ".".join(["layers", "{i}", *parts[2:]]) if parts[0] == "layers" else name
-        g = hf_to_gguf[key].format(i=parts[1] if parts[0] == "layers" else "")
-        w = w.numpy()
-        if g.endswith("attn_q.weight"):
-            w = _permute(w, 4)
-        elif g.endswith("attn_k.weight"):
-            w = _permute(w, 2)
-        state[g] = w
-    state.update(tensors or {})
-    special = set(tokenizer.special_tokens.values())
-    token = tokenizer.id_to_token
-    meta = {
-        **DEFAULT_GGUF_META,
-        "tokenizer.ggml.model": "gpt2",
-        "tokenizer.ggml.pre": "default",
-        "tokenizer.ggml.tokens": [token(i) for i in range(tokenizer.vocab_size)],
-        "tokenizer.ggml.token_type": [3 if i in special else 1 for i in range(tokenizer.vocab_size)],
-        "tokenizer.ggml.merges": [f"{token(a)} {token(b)}" for a, b in tokenizer.merges],
-        **(meta or {}),
-    }
-    writer = gguf.GGUFWriter(str(path), meta.pop("general.architecture", "llama"))
-    for key, value in meta.items():
-        if value is None:
-            continue
-        if isinstance(value, bool):
-            writer.add_bool(key, value)
-        elif isinstance(value, int):
-            add = writer.add_uint32 if 0 <= value < 2**32 else writer.add_int64 if value < 2**63 else writer.add_uint64
-            add(key, value)
-        elif isinstance(value, float):
-            writer.add_float32(key, value)
-        elif isinstance(value, str):
-            writer.add_string(key, value)
-        else:
-            writer.add_array(key, value)
-    for name, w in state.items():
-        qtype = types(name) if callable(types) else (types or {}).get(name)
-        if w is not None and qtype is not None:
-            writer.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(w, dtype=np.float32), qtype),
-                              raw_dtype=qtype)
-        elif w is not None:
-            writer.add_tensor(name, np.ascontiguousarray(w))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
 @pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory, pristine, tiny_tokenizer) -> Path:  # noqa: F811
+def tiny_gguf(tmp_path_factory, pristine, tiny_tokenizer) -> Path:
     return write_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", pristine, tiny_tokenizer)
 
 
@@ -361,7 +280,7 @@ def test_a_layer_count_the_weights_do_not_hold_is_refused_before_building(pristi
 
 
 @pytest.mark.parametrize("layers", [200_000, 1])
-def test_a_gguf_layer_count_the_weights_do_not_hold_is_refused_before_dequantizing(tmp_path, pristine, tiny_tokenizer,  # noqa: F811
+def test_a_gguf_layer_count_the_weights_do_not_hold_is_refused_before_dequantizing(tmp_path, pristine, tiny_tokenizer,
                                                                                   monkeypatch, layers):
     path = write_gguf(tmp_path / "layers.gguf", pristine, tiny_tokenizer, meta={"llama.block_count": layers})
     monkeypatch.setattr(loading, "read_gguf_state_dict", lambda *a: pytest.fail("dequantized before checking"))
@@ -636,7 +555,7 @@ def test_values_that_would_compute_wrong_numbers_are_refused(pristine, tmp_path,
     ],
     ids=["rope-scaling", "partial-rotary", "rope-freqs-tensor", "integer-weights", "inf-weights"],
 )
-def test_gguf_features_minillm_would_ignore_are_refused(tmp_path, pristine, tiny_tokenizer, meta, tensors, says):  # noqa: F811
+def test_gguf_features_minillm_would_ignore_are_refused(tmp_path, pristine, tiny_tokenizer, meta, tensors, says):
     path = write_gguf(tmp_path / "feature.gguf", pristine, tiny_tokenizer, meta=meta, tensors=tensors)
     with pytest.raises(FileFormatError, match=r"feature\.gguf: .*" + says):
         minillm.load_model(path, device="cpu")
@@ -686,7 +605,7 @@ def test_config_json_that_is_not_an_object(ckpt, text):
     ],
     ids=["heads-0", "kv-heads-0", "per-layer-heads", "no-context", "string-theta", "architecture"],
 )
-def test_gguf_metadata_problems_name_the_key(tmp_path, pristine, tiny_tokenizer, meta, says):  # noqa: F811
+def test_gguf_metadata_problems_name_the_key(tmp_path, pristine, tiny_tokenizer, meta, says):
     path = write_gguf(tmp_path / "meta.gguf", pristine, tiny_tokenizer, meta=meta)
     with pytest.raises(FileFormatError, match=r"meta\.gguf: " + says):
         minillm.load_model(path, device="cpu")
@@ -706,7 +625,7 @@ def test_gguf_metadata_problems_name_the_key(tmp_path, pristine, tiny_tokenizer,
     ],
     ids=["q-rows-not-heads", "k-rows", "embedding-width", "missing"],
 )
-def test_gguf_tensor_shapes_are_checked_before_the_un_permute(tmp_path, pristine, tiny_tokenizer, tensors, says):  # noqa: F811
+def test_gguf_tensor_shapes_are_checked_before_the_un_permute(tmp_path, pristine, tiny_tokenizer, tensors, says):
     path = write_gguf(tmp_path / "shapes.gguf", pristine, tiny_tokenizer, tensors=tensors)
     with pytest.raises(FileFormatError, match=r"shapes\.gguf: " + says):
         minillm.load_model(path, device="cpu")
@@ -876,13 +795,13 @@ def _fuzz_gguf_values(keys: list[str], pristine: Path, tokenizer: Tokenizer, whe
 
 @given(data=st.data())
 @fuzz_settings(25)
-def test_fuzz_gguf_model_metadata(pristine, tiny_tokenizer, tmp_path_factory, data):  # noqa: F811
+def test_fuzz_gguf_model_metadata(pristine, tiny_tokenizer, tmp_path_factory, data):
     _fuzz_gguf_values(MODEL_KEYS, pristine, tiny_tokenizer, tmp_path_factory.mktemp("fuzz"), data)
 
 
 @given(data=st.data())
 @fuzz_settings(25)
-def test_fuzz_gguf_tokenizer_metadata(pristine, tiny_tokenizer, tmp_path_factory, data):  # noqa: F811
+def test_fuzz_gguf_tokenizer_metadata(pristine, tiny_tokenizer, tmp_path_factory, data):
     _fuzz_gguf_values(TOKENIZER_KEYS, pristine, tiny_tokenizer, tmp_path_factory.mktemp("fuzz"), data)
 
 

@@ -10,42 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from minillm.generate import greedy_contiguous, greedy_paged, greedy_recompute
-from minillm.reference import hf_gguf_model
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):\n    ",
-    "Once upon a time, in a small village at the edge of a great forest, there lived",
-]
-NEW_TOKENS = 32
-ODD_BLOCK = 6  # divides none of the prompt lengths (checked below)
-REPO = Path(__file__).resolve().parent.parent
+from helpers.greedy import NEW_TOKENS, ODD_BLOCK, PROMPTS
 
-
-@pytest.fixture(scope="module")
-def prompt_ids(smollm):
-    _, tok = smollm
-    ids = [tok.encode(p) for p in PROMPTS]
-    assert len({len(i) for i in ids}) == len(ids), "the batch must mix prompt lengths"
-    assert all(len(i) % ODD_BLOCK for i in ids)
-    return ids
-
-
-@pytest.fixture(scope="module")
-def transformers_greedy(smollm, prompt_ids):
-    _, tok = smollm
-    reference = hf_gguf_model()
-    outputs = []
-    for ids in prompt_ids:
-        out = reference.generate(
-            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id,
-        )
-        outputs.append(out[0, len(ids):].tolist())
-    return outputs
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_recompute_matches_transformers(smollm, prompt_ids, transformers_greedy):

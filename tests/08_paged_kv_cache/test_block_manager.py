@@ -1,5 +1,5 @@
 """The paged cache's bookkeeping (notebooks 08 and 12), tested without tensors: this file imports
-no torch (``tests/test_import_graph.py`` runs it with torch unimportable).
+no torch (``tests/package/test_import_graph.py`` runs it with torch unimportable).
 
 Random operation streams (hypothesis) check the laws after every step: reference counts are the
 block tables' holdings, no block leaks or is freed twice, keys name their own prefix, and a

@@ -1,5 +1,6 @@
-"""KV caches: paged attention against plain attention, copy-on-write of the pools, running out
-of blocks, and the memory formula (the bookkeeping alone: ``test_block_manager.py``)."""
+"""The paged KV cache: paged attention against plain attention, copy-on-write of the pools,
+running out of blocks (the bookkeeping alone: ``test_block_manager.py``; the contiguous cache and
+the memory formula: ``tests/07_kv_cache/test_cache.py``)."""
 
 from __future__ import annotations
 
@@ -10,14 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minillm.cache import (
-    ContiguousKVCache,
-    OutOfBlocksError,
-    PagedKVCache,
-    kv_bytes_per_token,
-    memory_budget,
-    parameter_count,
-)
+from minillm.cache import ContiguousKVCache, OutOfBlocksError, PagedKVCache
 from minillm.cache.base import build_mask
 from minillm.model.attention import attention_explicit, gather_kv, paged_attention, repeat_kv, write_kv
 from minillm.model.config import ModelConfig
@@ -121,36 +115,6 @@ def test_running_out_of_blocks_raises_and_leaves_the_pool_reusable():
     cache.free_sequence(0)
     cache.prepare([1], 16)  # the freed blocks are reused
     assert cache.allocator.num_free == 0
-
-
-def test_contiguous_cache_refuses_to_overflow():
-    cache = ContiguousKVCache(TINY, 1, 4)
-    cache.advance(3)
-    with pytest.raises(ValueError, match="holds 4 tokens per row; 3 are used and 2 more"):
-        cache.mask(None, 2)
-
-
-def test_kv_bytes_formula_matches_the_allocated_tensors():
-    smollm = ModelConfig(vocab_size=49152, hidden_size=576, n_layers=30, n_heads=9, n_kv_heads=3,
-                         intermediate_size=1536, max_position_embeddings=8192, tie_word_embeddings=True)
-    assert kv_bytes_per_token(smollm, torch.float32) == 2 * 30 * 3 * 64 * 4 == 46080
-    assert kv_bytes_per_token(smollm, torch.bfloat16) == 23040
-    cache = ContiguousKVCache(smollm, batch_size=2, max_len=100)
-    assert cache.nbytes == memory_budget(smollm, 2, 100).kv_cache == 2 * 100 * 46080
-    paged = PagedKVCache(smollm, num_blocks=10, block_size=16)
-    assert paged.nbytes == (10 + 1) * 16 * 46080  # 10 blocks to hand out + the scratch block padded rows write to
-
-
-def test_parameter_count_matches_real_models():
-    import transformers
-
-    for model_type, tied in (("llama", True), ("llama", False), ("qwen2", False)):
-        common = dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, intermediate_size=96, tie_word_embeddings=tied)
-        hf_config = (transformers.Qwen2Config if model_type == "qwen2" else transformers.LlamaConfig)(**common)
-        hf_model = transformers.AutoModelForCausalLM.from_config(hf_config)
-        ours = ModelConfig.from_hf(hf_config.to_dict())
-        assert parameter_count(ours) == sum(p.numel() for p in hf_model.parameters())
 
 
 def test_packed_prefill_fills_the_same_blocks_as_one_by_one_prefills():

@@ -27,8 +27,8 @@ from minillm.model import kernels, quant
 from minillm.model.layers import FEW_ROWS, Linear, RMSNorm, SwiGLU
 from minillm.model.quant import FORMATS, QuantizedLinear
 
-from test_generate import NEW_TOKENS, prompt_ids, transformers_greedy  # noqa: F401  (fixtures)
-from test_model_units import _tiny_hf_checkpoint, tiny_tokenizer  # noqa: F401  (a fixture)
+from helpers.checkpoints import tiny_hf_checkpoint
+from helpers.greedy import NEW_TOKENS
 
 VOCAB = 300
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6], list(range(40, 90)), [7]]
@@ -40,10 +40,10 @@ def _compiles() -> bool:
 
 
 @pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory, tiny_tokenizer):  # noqa: F811
+def tiny_folder(tmp_path_factory, tiny_tokenizer):
     """A tiny random Llama checkpoint (2 layers, hidden 64, 4 query heads sharing 2 KV heads)."""
-    return _tiny_hf_checkpoint(tmp_path_factory.mktemp("llama"), tiny_tokenizer, "llama", vocab_size=VOCAB,
-                               tie_word_embeddings=False, max_position_embeddings=512)  # every id decodes
+    return tiny_hf_checkpoint(tmp_path_factory.mktemp("llama"), tiny_tokenizer, "llama", vocab_size=VOCAB,
+                              tie_word_embeddings=False, max_position_embeddings=512)  # every id decodes
 
 
 def _load(folder, fmt: str | None = None, dtype: torch.dtype = torch.float32, calibration: list[int] | None = None):
@@ -261,11 +261,11 @@ def test_a_model_whose_layers_differ_is_compiled_as_one_step_and_equals_eager(ti
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])  # qwen2: q/k/v biases in the compiled Linear
-def test_compiled_engine_matches_transformers_on_tiny_checkpoints(tmp_path, tiny_tokenizer, model_type,  # noqa: F811
+def test_compiled_engine_matches_transformers_on_tiny_checkpoints(tmp_path, tiny_tokenizer, model_type,
                                                                  cxx_compiler):
     from minillm.reference import hf_causal_lm
 
-    folder = _tiny_hf_checkpoint(tmp_path, tiny_tokenizer, model_type, tie_word_embeddings=False, vocab_size=VOCAB)
+    folder = tiny_hf_checkpoint(tmp_path, tiny_tokenizer, model_type, tie_word_embeddings=False, vocab_size=VOCAB)
     model, tok = load_model(folder, device="cpu")
     reference = hf_causal_lm(folder)
     prompts = ["To be, or not to be", "The king", "Now is the winter of our discontent made glorious"]
@@ -290,15 +290,15 @@ def _float64_twin(model, folder):
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])  # qwen2: biases on q, k and v
-def test_the_packed_backend_computes_the_float64_model_on_the_dequantized_weights(tmp_path, tiny_tokenizer,  # noqa: F811
+def test_the_packed_backend_computes_the_float64_model_on_the_dequantized_weights(tmp_path, tiny_tokenizer,
                                                                                  model_type, vector_kernels):
     """A packed model (each format, with float32 outlier columns from a calibration text) on the
     packed-cpu backend: every step's logits (a packed prefill, then decode steps of one and of
     four rows, blocks of 4 that the rows cross) equal the same model in float64 on the
     dequantized weights to float32 rounding through the layers, and so do the eager backend's;
     the two agree with each other within the same bound."""
-    folder = _tiny_hf_checkpoint(tmp_path, tiny_tokenizer, model_type, vocab_size=VOCAB, tie_word_embeddings=False,
-                                 max_position_embeddings=512)
+    folder = tiny_hf_checkpoint(tmp_path, tiny_tokenizer, model_type, vocab_size=VOCAB, tie_word_embeddings=False,
+                                max_position_embeddings=512)
     for fmt in FORMATS:
         model, _ = _load(folder, fmt, calibration=PROMPTS[2])
         assert model.layers[0].mlp.down_proj.outlier_cols is not None
@@ -429,8 +429,8 @@ def test_bench_model_reads_a_checkpoint_folder_with_transformers(tiny_folder):
 
 # --------------------------------------------------------------------------- the real model
 @pytest.mark.parametrize("backend", ["compiled", "eager"])
-def test_compiled_and_eager_engines_match_transformers_greedy_on_a_mixed_batch(smollm, prompt_ids,  # noqa: F811
-                                                                              transformers_greedy,  # noqa: F811
+def test_compiled_and_eager_engines_match_transformers_greedy_on_a_mixed_batch(smollm, prompt_ids,
+                                                                              transformers_greedy,
                                                                               backend, request):
     if backend == "compiled":
         request.getfixturevalue("cxx_compiler")

@@ -13,15 +13,15 @@ import minillm
 import minillm.__main__ as cli
 from minillm import Engine, load_model
 
-from test_model_units import _tiny_hf_checkpoint, tiny_tokenizer  # noqa: F401  (a fixture)
+from helpers.checkpoints import tiny_hf_checkpoint
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory, tiny_tokenizer):  # noqa: F811
-    return _tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny"), tiny_tokenizer, "llama", max_position_embeddings=512,
-                               vocab_size=300)
+def tiny_folder(tmp_path_factory, tiny_tokenizer):
+    return tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny"), tiny_tokenizer, "llama", max_position_embeddings=512,
+                              vocab_size=300)
 
 
 def test_a_reader_that_goes_away_ends_the_cli_quietly(tiny_folder):

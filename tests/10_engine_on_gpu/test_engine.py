@@ -17,7 +17,7 @@ from minillm.engine import Engine, StopStringFilter
 from minillm.reference import hf_gguf_model
 from minillm.sampling import SamplingParams
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 MIXED = [  # (prompt, max_new_tokens): mixed prompt and output lengths
     ("The capital of France is", 12),
     ("def fibonacci(n):\n    ", 40),

@@ -13,13 +13,13 @@ from minillm import Engine, SamplingParams, load_model
 from minillm.engine import engine as engine_module
 from minillm.engine.beam import BeamSearch
 
-from test_model_units import _tiny_hf_checkpoint, tiny_tokenizer  # noqa: F401  (a fixture)
+from helpers.checkpoints import tiny_hf_checkpoint
 
 
 @pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory, tiny_tokenizer):  # noqa: F811
-    return _tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny"), tiny_tokenizer, "llama", max_position_embeddings=512,
-                               vocab_size=300)  # the tokenizer's size: every id the model emits decodes
+def tiny_folder(tmp_path_factory, tiny_tokenizer):
+    return tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny"), tiny_tokenizer, "llama", max_position_embeddings=512,
+                              vocab_size=300)  # the tokenizer's size: every id the model emits decodes
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@
 
 References: float64 computations on the same data (``paged_decode_attention_reference`` on
 float64 copies, ``x.double() @ w.double().T``). Nothing here compares one float32
-implementation's rounding with another's. (The packed-weight kernels: ``test_quant.py``.)
+implementation's rounding with another's. (The packed-weight kernels: ``tests/11_quantization/test_quant.py``.)
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from minillm import Engine, SamplingParams, load_model
 from minillm.bench import latency_summary, percentile, poisson_arrivals, serve_arrivals
 
-from test_model_units import _tiny_hf_checkpoint, tiny_tokenizer  # noqa: F401  (a fixture)
+from helpers.checkpoints import tiny_hf_checkpoint
 
 
 def test_poisson_arrivals_are_seeded_increasing_and_have_the_asked_rate():
@@ -34,8 +34,8 @@ def test_percentile_by_hand():
     assert percentile([7.0], 99) == 7.0
 
 
-def test_serving_arrivals_times_every_request_and_matches_generate(tmp_path, tiny_tokenizer):  # noqa: F811
-    folder = _tiny_hf_checkpoint(tmp_path, tiny_tokenizer, "llama", max_position_embeddings=256, vocab_size=300)
+def test_serving_arrivals_times_every_request_and_matches_generate(tmp_path, tiny_tokenizer):
+    folder = tiny_hf_checkpoint(tmp_path, tiny_tokenizer, "llama", max_position_embeddings=256, vocab_size=300)
     model, tok = load_model(folder, device="cpu", dtype=torch.float64)
     engine = Engine(model, tok, backend="eager", max_batch_size=3)
     prompts = [[1 + i, 2 + i, 3] for i in range(6)]

@@ -4,7 +4,7 @@ float32 bound when the packed kernel multiplies by the blocks, eager or compiled
 kernels of the packed-cpu backend (``packed_decoder_layer``, ``packed_layers``); whole models
 load packed; bad files and arguments fail clearly, naming the tensor and its type; the packed
 kernel is built once per machine and its absence only costs speed. (A packed model's steps on
-each backend against the float64 model: ``test_backends.py``.)
+each backend against the float64 model: ``tests/10_engine_on_gpu/test_backends.py``.)
 
 References: the ``gguf`` package's quantizers (bit-exact with llama.cpp's reference code) and
 float64 products. Nothing here compares one float32 kernel's rounding with another's.
@@ -30,8 +30,7 @@ from minillm.model import kernels
 from minillm.model.quant import (FORMATS, QuantizedEmbedding, QuantizedLinear, dequantize, from_gguf_blocks,
                                  quantize, to_gguf_blocks, weight_bytes)
 
-from test_loading_hostile import pristine, write_gguf  # noqa: F401  (pristine is a fixture)
-from test_model_units import _tiny_hf_checkpoint, tiny_tokenizer  # noqa: F401  (a fixture)
+from helpers.checkpoints import tiny_hf_checkpoint, write_gguf
 
 GGML = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
         "q4_1": gguf.GGMLQuantizationType.Q4_1}
@@ -303,7 +302,7 @@ def test_outlier_columns_stay_float32_and_the_rest_quantizes_like_gguf(fmt):
         QuantizedLinear.from_float(weight, fmt, name="w", outlier_cols=torch.tensor([128]))
 
 
-def test_calibration_finds_the_channel_that_carries_outlier_activations(pristine):  # noqa: F811
+def test_calibration_finds_the_channel_that_carries_outlier_activations(pristine):
     """A hidden channel made 1000x larger in every token's embedding is the channel layer 0's
     q/k/v read largest after RMSNorm: ``outlier_columns`` picks it for all three (one list for
     layers that share an input), at most one column per block of 32."""
@@ -337,7 +336,7 @@ def test_rows_that_are_not_whole_blocks_and_bad_values_are_refused_by_name():
 
 
 # --------------------------------------------------------------------------- whole models
-def test_quantizing_a_checkpoint_at_load_packs_every_matrix(pristine):  # noqa: F811
+def test_quantizing_a_checkpoint_at_load_packs_every_matrix(pristine):
     float_model, tok = minillm.load_model(pristine, device="cpu")
     ids = torch.tensor([tok.encode("To be, or not to be")])
     for fmt in FORMATS:
@@ -357,7 +356,7 @@ def test_quantizing_a_checkpoint_at_load_packs_every_matrix(pristine):  # noqa: 
 
 
 @needs_kernels
-def test_the_layer_kernel_refuses_what_does_not_fit_naming_the_matrix_and_the_slot(pristine):  # noqa: F811
+def test_the_layer_kernel_refuses_what_does_not_fit_naming_the_matrix_and_the_slot(pristine):
     from minillm.cache.paged import PagedKVCache
     from minillm.engine.backends.packed_cpu import layer_arguments
 
@@ -402,7 +401,7 @@ def test_the_layer_kernel_refuses_what_does_not_fit_naming_the_matrix_and_the_sl
 
 
 @needs_kernels
-def test_all_layers_in_one_call_equal_the_layer_kernel_layer_by_layer(tmp_path, tiny_tokenizer):  # noqa: F811
+def test_all_layers_in_one_call_equal_the_layer_kernel_layer_by_layer(tmp_path, tiny_tokenizer):
     """``kernels.packed_layers`` (the engine's one call per decode step) runs the very layer code
     of ``packed_decoder_layer``: its output and every layer's pools equal calling the op layer by
     layer, bit for bit (qwen2: biases; three rows of different lengths on blocks of 4). A bad step
@@ -414,7 +413,7 @@ def test_all_layers_in_one_call_equal_the_layer_kernel_layer_by_layer(tmp_path, 
     from minillm.engine.backends.packed_cpu import ends_arguments, layer_arguments
     from minillm.model import quant
 
-    folder = _tiny_hf_checkpoint(tmp_path, tiny_tokenizer, "qwen2", vocab_size=300, tie_word_embeddings=False)
+    folder = tiny_hf_checkpoint(tmp_path, tiny_tokenizer, "qwen2", vocab_size=300, tie_word_embeddings=False)
     model, _ = minillm.load_model(folder, device="cpu")
     quant.quantize_model(model, "q4_1", calibration=torch.tensor([[5, 9, 2, 7, 1, 3]]))
     config = model.config
@@ -493,7 +492,7 @@ def test_all_layers_in_one_call_equal_the_layer_kernel_layer_by_layer(tmp_path, 
     assert torch.equal(stack.forward(x, cos, sin, step.k_pools, step.v_pools, *slots_and_tables), expected)
 
 
-def test_native_weights_keep_a_gguf_files_blocks_and_equal_its_float_load(tmp_path, pristine, tiny_tokenizer):  # noqa: F811
+def test_native_weights_keep_a_gguf_files_blocks_and_equal_its_float_load(tmp_path, pristine, tiny_tokenizer):
     def kind(name: str):
         return gguf.GGMLQuantizationType.Q4_1 if name.startswith("blk.") and "norm" not in name else (
             gguf.GGMLQuantizationType.Q8_0 if name in ("token_embd.weight", "output.weight") else None)
@@ -509,7 +508,7 @@ def test_native_weights_keep_a_gguf_files_blocks_and_equal_its_float_load(tmp_pa
     assert _through_layers(native(ids), float_model.double()(ids))  # the same products on the same weights
 
 
-def test_native_refuses_types_it_cannot_keep_packed_and_damaged_scales(tmp_path, pristine, tiny_tokenizer):  # noqa: F811
+def test_native_refuses_types_it_cannot_keep_packed_and_damaged_scales(tmp_path, pristine, tiny_tokenizer):
     q5 = write_gguf(tmp_path / "q5.gguf", pristine, tiny_tokenizer,
                     types={"blk.0.ffn_up.weight": gguf.GGMLQuantizationType.Q5_0})
     minillm.load_model(q5, device="cpu")  # the float path dequantizes any type gguf knows
@@ -526,7 +525,7 @@ def test_native_refuses_types_it_cannot_keep_packed_and_damaged_scales(tmp_path,
         minillm.load_model(bad, device="cpu", weights="native")
 
 
-def test_weight_choices_are_checked(pristine):  # noqa: F811
+def test_weight_choices_are_checked(pristine):
     with pytest.raises(ValueError, match="weights='int3' is not one of float32, bfloat16, native, q8_0"):
         minillm.load_model(pristine, device="cpu", weights="int3")
     with pytest.raises(ValueError, match="disagree"):
@@ -565,7 +564,7 @@ def test_the_cli_offers_load_models_weight_formats_and_runs_one(capsys):
     assert out.out.startswith(" Paris") and "(native weights)" in out.err
 
 
-def test_the_default_format_is_the_files_own_blocks_where_they_run_packed(tmp_path, pristine, tiny_tokenizer):  # noqa: F811
+def test_the_default_format_is_the_files_own_blocks_where_they_run_packed(tmp_path, pristine, tiny_tokenizer):
     from minillm.model.loading import default_weights
 
     assert default_weights(pristine) == "float32"  # a checkpoint of floats

@@ -31,8 +31,8 @@ from minillm.bench import (
     serve_system_prompts,
 )
 
-from serving import serving
-from test_model_units import _tiny_hf_checkpoint, tiny_tokenizer  # noqa: F401  (a fixture)
+from helpers.checkpoints import tiny_hf_checkpoint
+from helpers.serving import serving
 
 
 # --------------------------------------------------------------------------- the load
@@ -46,7 +46,7 @@ def test_the_poisson_schedule_is_seeded_reproducible_and_has_the_asked_rate():
     assert poisson_arrivals(5, 4.0, seed=7) == a[:5]  # a longer run only adds arrivals after these
 
 
-def test_the_conversations_share_the_system_prompt_and_ask_distinct_questions(tiny_tokenizer):  # noqa: F811
+def test_the_conversations_share_the_system_prompt_and_ask_distinct_questions(tiny_tokenizer):
     systems = serve_system_prompts(tiny_tokenizer, 40, 3)
     assert len(set(systems)) == 3
     assert all(len(tiny_tokenizer.encode(s)) in range(36, 45) for s in systems)  # 40 tokens, re-encoded
@@ -117,9 +117,9 @@ def test_prometheus_text_is_read_by_name_and_labels():
 
 # --------------------------------------------------------------------------- the client, on a tiny server
 @pytest.fixture(scope="module")
-def tiny_url(tmp_path_factory, tiny_tokenizer) -> Iterator[str]:  # noqa: F811
-    folder = _tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny", tiny_tokenizer, "llama",
-                                 max_position_embeddings=512, vocab_size=300)
+def tiny_url(tmp_path_factory, tiny_tokenizer) -> Iterator[str]:
+    folder = tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny", tiny_tokenizer, "llama",
+                                max_position_embeddings=512, vocab_size=300)
     model, tok = load_model(folder, device="cpu")
     with serving(Engine(model, tok, backend="eager", kv_cache_tokens=4096, prefix_caching=True), "tiny") as served:
         yield served.url
@@ -129,7 +129,7 @@ def _metrics(url: str) -> dict[str, float]:
     return prometheus_values(httpx.get(f"{url}/metrics").text)
 
 
-def test_the_client_counts_every_token_of_a_poisson_load_with_no_errors(tiny_url, tiny_tokenizer):  # noqa: F811
+def test_the_client_counts_every_token_of_a_poisson_load_with_no_errors(tiny_url, tiny_tokenizer):
     [system] = serve_system_prompts(tiny_tokenizer, 48, 1)
     chats = serve_conversations(system, 6)
     run_load(tiny_url, [serve_body("minillm", chats[0], 2)], [0.0])  # the system prompt's blocks are cached now

@@ -1,7 +1,7 @@
 """The chat page (``GET /``) in headless Chromium, on the real SmolLM2-135M-Instruct.
 
 A learner's path through the page: type a question, press Enter, watch the answer stream in
-with its TTFT and tokens/s. The server runs in a background thread (``tests/serving.py``), the
+with its TTFT and tokens/s. The server runs in a background thread (``tests/helpers/serving.py``), the
 page in Chromium driven by Playwright's Python client. The page's temperature is set to 0, so
 the answer is greedy and must equal ``Engine.chat`` on the same engine, word for word. What the
 page shows is recorded in the page itself (a MutationObserver on the conversation): the answer
@@ -13,7 +13,7 @@ and a Chromium (Debian/Ubuntu: ``apt-get install chromium``; or ``MINILLM_CHROMI
 Playwright's own downloaded browsers are not used. Without them the test is skipped with that
 reason, unless ``MINILLM_REQUIRE_BROWSER=1`` (set by CI's ``.ci/run``): then it fails.
 
-    python -m pytest tests/test_chat_page.py -v
+    python -m pytest tests/12_serving/test_chat_page.py -v
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import pytest
 from minillm import Engine, SamplingParams
 from minillm.engine.request import Completion
 
-from serving import Served, serving
+from helpers.serving import Served, serving
 
 MODEL = "SmolLM2-135M-Instruct"
 QUESTION = "What is the capital of France?"
@@ -42,7 +42,7 @@ STOP_AFTER = 256
 WAIT_MS = 120_000  # the longest any one wait in the page may take (a busy 2-core machine)
 
 # find_chromium() is shared with the JupyterLab check (a standalone script, loaded by path).
-_spec = importlib.util.spec_from_file_location("check_lab", Path(__file__).parent / "browser" / "check_lab.py")
+_spec = importlib.util.spec_from_file_location("check_lab", Path(__file__).parents[1] / "browser" / "check_lab.py")
 check_lab = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(check_lab)
 

@@ -13,8 +13,7 @@ import pytest
 import minillm
 from minillm.sampling import SamplingParams
 
-from test_prefix_cache import _counting_prefill, tiny64  # noqa: F401  (a fixture)
-from test_model_units import tiny_tokenizer  # noqa: F401  (a fixture)
+from helpers.engines import counting_prefill
 
 
 def _prompts(tok) -> list[list[int]]:
@@ -24,7 +23,7 @@ def _prompts(tok) -> list[list[int]]:
 
 @pytest.mark.parametrize("chunk", [1, 5, 16])
 @pytest.mark.parametrize("prefix_caching", [False, True])
-def test_chunked_prefill_gives_the_same_answers_and_frees_everything(tiny64, chunk, prefix_caching):  # noqa: F811
+def test_chunked_prefill_gives_the_same_answers_and_frees_everything(tiny64, chunk, prefix_caching):
     model, tok = tiny64
     params = SamplingParams(max_new_tokens=5)
     whole = minillm.Engine(model, tok, block_size=4, backend="eager")
@@ -38,10 +37,10 @@ def test_chunked_prefill_gives_the_same_answers_and_frees_everything(tiny64, chu
     assert chunked.manager.allocator.num_free == free
 
 
-def test_a_long_prompt_never_takes_a_step_from_the_running_requests(tiny64):  # noqa: F811
+def test_a_long_prompt_never_takes_a_step_from_the_running_requests(tiny64):
     model, tok = tiny64
     engine = minillm.Engine(model, tok, block_size=4, backend="eager", prefill_chunk_tokens=6)
-    computed = _counting_prefill(engine)
+    computed = counting_prefill(engine)
     short = [engine.add_request(p, SamplingParams(max_new_tokens=40)) for p in _prompts(tok)[:1] * 3]
     while any(not r.output_ids for r in short):
         engine.step()
@@ -62,7 +61,7 @@ def test_a_long_prompt_never_takes_a_step_from_the_running_requests(tiny64):  # 
     assert engine.manager.allocator.num_free == engine.manager.allocator.num_blocks
 
 
-def test_aborting_a_request_while_its_prompt_is_being_prefilled_frees_its_blocks(tiny64):  # noqa: F811
+def test_aborting_a_request_while_its_prompt_is_being_prefilled_frees_its_blocks(tiny64):
     model, tok = tiny64
     engine = minillm.Engine(model, tok, block_size=4, backend="eager", prefill_chunk_tokens=4)
     request = engine.add_request(_prompts(tok)[2], SamplingParams(max_new_tokens=3))
@@ -73,13 +72,13 @@ def test_aborting_a_request_while_its_prompt_is_being_prefilled_frees_its_blocks
     assert engine.manager.allocator.num_free == engine.manager.allocator.num_blocks
 
 
-def test_the_chunk_size_is_checked(tiny64):  # noqa: F811
+def test_the_chunk_size_is_checked(tiny64):
     model, tok = tiny64
     with pytest.raises(ValueError, match="prefill_chunk_tokens"):
         minillm.Engine(model, tok, backend="eager", prefill_chunk_tokens=0)
 
 
-def test_requests_being_prefilled_count_against_max_batch_size(tiny64):  # noqa: F811
+def test_requests_being_prefilled_count_against_max_batch_size(tiny64):
     # Prompts prefilled over several steps hold batch rows: a waiting request may not be admitted
     # past max_batch_size just because none of them is decoding yet.
     model, tok = tiny64
@@ -92,7 +91,7 @@ def test_requests_being_prefilled_count_against_max_batch_size(tiny64):  # noqa:
     assert engine.manager.allocator.num_free == engine.manager.allocator.num_blocks
 
 
-def test_a_running_request_that_outgrows_the_pool_preempts_a_prompt_being_prefilled(tiny64):  # noqa: F811
+def test_a_running_request_that_outgrows_the_pool_preempts_a_prompt_being_prefilled(tiny64):
     # A prompt prefilled chunk by chunk holds the blocks of its whole prompt for many steps, while
     # the running request next to it keeps growing. When the pool runs out, the prompt (the newest
     # admission) must go back to the queue: failing the step would abort both requests. Found by a
@@ -113,7 +112,7 @@ def test_a_running_request_that_outgrows_the_pool_preempts_a_prompt_being_prefil
     assert engine.manager.allocator.num_free == engine.manager.allocator.num_blocks
 
 
-def test_a_beam_search_being_prefilled_counts_all_its_beams_against_max_batch_size(tiny64):  # noqa: F811
+def test_a_beam_search_being_prefilled_counts_all_its_beams_against_max_batch_size(tiny64):
     # While its prompt is prefilled a beam search holds one sequence, but it decodes num_beams rows
     # from its first step on: a request admitted meanwhile must not push the batch past the limit.
     model, tok = tiny64

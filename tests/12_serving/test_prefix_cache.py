@@ -18,15 +18,7 @@ from minillm.engine import engine as engine_module
 from minillm.engine.beam import BeamSearch
 from minillm.sampling import SamplingParams
 
-from test_model_units import _tiny_hf_checkpoint, tiny_tokenizer  # noqa: F401  (a fixture)
-
-
-@pytest.fixture(scope="module")
-def tiny64(tmp_path_factory, tiny_tokenizer):  # noqa: F811
-    """A tiny random Llama (its vocabulary the tokenizer's, so every sampled id decodes), in float64."""
-    folder = _tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", tiny_tokenizer, "llama",
-                                 vocab_size=tiny_tokenizer.vocab_size)
-    return minillm.load_model(folder, device="cpu", dtype="float64")
+from helpers.engines import counting_prefill
 
 
 def test_the_engine_with_prefix_caching_gives_the_same_answers_and_frees_everything(tiny64):
@@ -77,19 +69,6 @@ def test_a_small_pool_evicts_cached_prefixes_and_keeps_serving(tiny64):
     assert small.manager.allocator.num_free == small.manager.allocator.num_blocks
 
 
-def _counting_prefill(engine: minillm.Engine) -> list[int]:
-    """Record how many prompt tokens each prefill forward computes."""
-    computed: list[int] = []
-    original = engine.runner.prefill
-
-    def prefill(seq_ids, token_lists):
-        computed.append(sum(len(tokens) for tokens in token_lists))
-        return original(seq_ids, token_lists)
-
-    engine.runner.prefill = prefill
-    return computed
-
-
 @pytest.mark.parametrize("chunk", [None, 8])
 @pytest.mark.parametrize("extra", [0, 3])  # the prompt ends on a block boundary (a full hit), or inside a block
 def test_n_completions_compute_their_shared_prompt_once(tiny64, chunk, extra):
@@ -99,7 +78,7 @@ def test_n_completions_compute_their_shared_prompt_once(tiny64, chunk, extra):
     plain = minillm.Engine(model, tok, block_size=4, backend="eager", prefill_chunk_tokens=chunk)
     cached = minillm.Engine(model, tok, block_size=4, backend="eager", prefix_caching=True, prefill_chunk_tokens=chunk)
     free = cached.manager.allocator.num_free
-    computed = _counting_prefill(cached)
+    computed = counting_prefill(cached)
     want = [c.token_ids for c in plain.generate([prompt], params)]
     assert [c.token_ids for c in cached.generate([prompt], params)] == want
     # the first completion computes the prompt; each sibling waits for its blocks, then computes at
@@ -116,7 +95,7 @@ def test_requests_arriving_together_with_one_system_prompt_compute_it_once(tiny6
     params = SamplingParams(max_new_tokens=4)
     plain = minillm.Engine(model, tok, block_size=4, backend="eager")
     cached = minillm.Engine(model, tok, block_size=4, backend="eager", prefix_caching=True)
-    computed = _counting_prefill(cached)
+    computed = counting_prefill(cached)
     prompts = [system + q for q in questions]
     want = [c.token_ids for c in plain.generate(prompts, params)]
     assert [c.token_ids for c in cached.generate(prompts, params)] == want  # all six queued at once

@@ -31,10 +31,10 @@ from openai import OpenAI
 from minillm import Engine, SamplingParams, Tokenizer, load_model
 from minillm.engine.request import Completion
 
-from serving import Served, serving
-from test_model_units import _tiny_hf_checkpoint, tiny_tokenizer  # noqa: F401  (a fixture)
+from helpers.checkpoints import tiny_hf_checkpoint
+from helpers.serving import Served, serving
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 MODEL = "SmolLM2-135M-Instruct"
 MAX_TOKENS = 24
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village, there lived"]
@@ -260,9 +260,9 @@ def test_the_chat_page_streams_from_the_chat_endpoint(real):
 
 # --------------------------------------------------------------------------- refusals (a tiny model)
 @pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory, tiny_tokenizer) -> Path:  # noqa: F811
-    return _tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny", tiny_tokenizer, "llama",
-                               max_position_embeddings=512, vocab_size=300)
+def tiny_folder(tmp_path_factory, tiny_tokenizer) -> Path:
+    return tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny", tiny_tokenizer, "llama",
+                              max_position_embeddings=512, vocab_size=300)
 
 
 @pytest.fixture(scope="module")

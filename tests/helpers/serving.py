@@ -1,6 +1,6 @@
 """A minillm server for tests: the app on a free port of 127.0.0.1, in a background thread.
 
-Shared by ``test_serve.py`` (the API) and ``test_chat_page.py`` (the chat page in Chromium).
+Shared by ``tests/12_serving/test_serve.py`` (the API) and ``test_chat_page.py`` (the chat page in Chromium).
 """
 
 from __future__ import annotations

@@ -10,6 +10,12 @@ def hf_ids(hf_tokenizer, text: str, add_special_tokens: bool = False) -> list[in
     return hf_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
 
+def hf_chat_ids(hf, messages, add_generation_prompt: bool) -> list[int]:
+    """transformers' chat-template ids; v5 may return a BatchEncoding where v4 returned a list."""
+    out = hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+    return list(out["input_ids"]) if hasattr(out, "keys") else list(out)
+
+
 # One text that packs every awkward case in.
 EDGE_TEXT = (
     "Hello,   world!  \t\tTabs\tand  spaces   \n"

@@ -10,13 +10,13 @@ import torch
 from minillm import Engine, SamplingParams, load_model
 from minillm.cache import PagedKVCache
 
-from test_model_units import _tiny_hf_checkpoint, tiny_tokenizer  # noqa: F401  (a fixture)
+from helpers.checkpoints import tiny_hf_checkpoint
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory, tiny_tokenizer):  # noqa: F811
-    folder = _tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny"), tiny_tokenizer, "llama", max_position_embeddings=512,
-                                 vocab_size=300)
+def tiny(tmp_path_factory, tiny_tokenizer):
+    folder = tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny"), tiny_tokenizer, "llama", max_position_embeddings=512,
+                                vocab_size=300)
     return load_model(folder, device="cpu")
 
 

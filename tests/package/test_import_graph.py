@@ -54,7 +54,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "minillm"
 
 # From the bottom up: layer -> the first names after "minillm." in it ("__init__" is minillm/__init__.py).
@@ -73,7 +73,7 @@ LAYERS = {
 # (notebooks 01-02 need no model), and the block manager and the scheduler, whose tests run where
 # torch cannot be imported (TORCH_FREE_TESTS).
 TORCH_FREE = ("minillm", "minillm.tokenizer", "minillm.cache.block_manager", "minillm.engine.scheduler")
-TORCH_FREE_TESTS = ("test_block_manager.py", "test_scheduler.py")
+TORCH_FREE_TESTS = ("08_paged_kv_cache/test_block_manager.py", "10_engine_on_gpu/test_scheduler.py")
 
 
 # ------------------------------------------------------------------------------ the graph
@@ -279,7 +279,7 @@ def test_the_collector_sees_every_kind_of_import():
 def test_every_module_is_in_a_layer():
     unplaced = sorted(f"{path.relative_to(ROOT)} ({group(name)!r})" for name, path in modules().items()
                       if layer_of(name) is None)
-    assert not unplaced, "add these to LAYERS in tests/test_import_graph.py:\n  " + "\n  ".join(unplaced)
+    assert not unplaced, "add these to LAYERS in tests/package/test_import_graph.py:\n  " + "\n  ".join(unplaced)
 
 
 def test_no_circle_between_modules():
@@ -366,7 +366,7 @@ _NO_TORCH = """
 import sys
 
 class NoTorch:
-    \"\"\"Refuses torch, as on a machine without it (tests/test_import_graph.py).\"\"\"
+    \"\"\"Refuses torch, as on a machine without it (tests/package/test_import_graph.py).\"\"\"
 
     def find_spec(self, name, path=None, target=None):
         if name == "torch" or name.startswith("torch."):

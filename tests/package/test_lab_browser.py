@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).parent / "browser" / "check_lab.py"
+SCRIPT = Path(__file__).parents[1] / "browser" / "check_lab.py"
 _spec = importlib.util.spec_from_file_location("check_lab", SCRIPT)
 check_lab = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(check_lab)
