@@ -7,7 +7,19 @@ from collections import Counter, defaultdict
 import pytest
 
 from minillm.exercises import nb01
-from minillm.tokenizer.train import _merge
+
+
+def _merge(ids, pair, new_id):
+    """Every non-overlapping occurrence of ``pair``, left to right, replaced by ``new_id``."""
+    out, i = [], 0
+    while i < len(ids):
+        if i + 1 < len(ids) and (ids[i], ids[i + 1]) == pair:
+            out.append(new_id)
+            i += 2
+        else:
+            out.append(ids[i])
+            i += 1
+    return out
 
 
 def _utf8_len(s):

@@ -20,6 +20,7 @@ import tracemalloc
 from pathlib import Path
 
 import pytest
+import regex
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFTokenizer
@@ -58,9 +59,11 @@ def test_merging_one_long_chunk_costs_a_constant_number_of_lookups_per_byte(gpt2
     """A chunk of n bytes costs O(n) merge-table lookups (plus O(n log n) heap work): one per
     initial pair, one per popped heap entry, two per merge. Rescanning after every merge, as the
     first version did, costs about n per merge: 60 000 per byte at 64 KB."""
+    # The merge table is the tokenizer's private state, and a lookup in it the unit of work: nothing
+    # public counts work, and wall time is no law (see below), so the table is swapped for a counting one.
     table = CountingTable(gpt2._merge_table)
     monkeypatch.setattr(gpt2, "_merge_table", table)
-    ids = gpt2._bpe(random_letters(n, seed=n).encode())
+    ids = gpt2.encode(random_letters(n, seed=n))  # letters only: one pre-tokenizer chunk, too long to cache
     assert len(ids) < n
     assert table.lookups <= 6 * n
 
@@ -105,12 +108,14 @@ def test_long_chunks_are_not_cached(trained):
     finally:
         tracemalloc.stop()
     assert retained < 100_000
-    assert max(map(len, trained._cache)) <= bpe._CACHE_MAX_CHUNK
 
 
 def test_cache_stays_within_its_byte_budget_and_the_estimate_is_honest(trained, monkeypatch):
     """Many distinct short chunks: the cache empties itself at the budget, and the memory it
-    really holds is within a small factor of its own estimate."""
+    really holds is within a small factor of its own estimate. (The cache, its budget and its
+    estimate are private by design, no setting of the tokenizer: they are read and the budget
+    lowered here because this test is about that accounting itself; the law a user sees is
+    the last line, memory held within twice the budget.)"""
     monkeypatch.setattr(bpe, "_CACHE_BUDGET_BYTES", 400_000)
     tok = bpe.Tokenizer(trained.vocab, trained.merges, trained.special_tokens)
     words = [random_letters(n % 40 + 1, seed=n, alphabet="abcdéf🙂") for n in range(6000)]
@@ -205,10 +210,12 @@ chat_messages = st.lists(
 
 
 def strip_specials(tok, messages):
-    """The same conversation with every special-token string removed from the message text."""
+    """The same conversation with every special-token string removed from the message text
+    (found as HF finds them: leftmost first, the longest at that position)."""
+    specials = regex.compile("|".join(map(regex.escape, sorted(tok.special_tokens, key=len, reverse=True))))
 
     def clean(text):
-        while (shorter := "".join(piece for piece, i in tok._split_special(text) if i is None)) != text:
+        while (shorter := specials.sub("", text)) != text:
             text = shorter  # "<|im_<|im_end|>end|>" needs two passes
         return text
 
@@ -806,6 +813,8 @@ def test_split_regex_that_unrolls_to_gigabytes_is_refused_before_compiling(tmp_p
 
 
 def test_the_unrolled_size_of_real_patterns_is_small():
+    # The estimate is a private helper of the pre-tokenizer: publicly it only shows as a refusal
+    # (above); here its numbers are checked on patterns that must pass, far from the limit.
     from minillm.tokenizer.pretokenize import _MAX_UNROLLED_ATOMS, GGUF_PRE_PATTERNS, _unrolled_atoms
 
     assert all(_unrolled_atoms(pattern) < 100 for pattern in GGUF_PRE_PATTERNS.values())

@@ -201,7 +201,9 @@ def test_stub_is_waiting(capsys):
 
 
 def test_the_package_adapter_passes(capsys):
-    """The wrong answers are built on the package's BlockManager: unchanged, it passes every script."""
+    """The wrong answers are built on the package's BlockManager: unchanged, it passes every script.
+    (The two adapters are private to the module, the base classes of its listed mistakes: there is
+    no public name for them, and that they pass is what makes each mistake a one-bug variant.)"""
     assert nb08.check_block_manager(nb08._OnThePackage) is True
     assert nb08.check_block_manager(nb08._AllocatesOnDemand) is True
 

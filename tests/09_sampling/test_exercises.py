@@ -9,6 +9,14 @@ import torch
 
 from minillm.exercises import check, nb09
 
+
+def own(mistakes, says):
+    """(wrong, says): the package's own wrong answer whose message says ``says``, found in its
+    public list of classic mistakes (``nb09.TOP_P_MISTAKES`` ...)."""
+    (wrong,) = [mistake.wrong for mistake in mistakes if says in mistake.message]
+    return wrong, says
+
+
 # --- top-p ---------------------------------------------------------------------------------------
 
 
@@ -44,13 +52,13 @@ def test_nb09_top_p_right_answers_pass(capsys, right):
 @pytest.mark.parametrize(
     "wrong, says",
     [
-        (nb09._drop_boundary, "the boundary token is missing"),
-        (nb09._ascending_walk, "walked up from the *least* likely"),
-        (nb09._p_on_logits, "p is a probability mass"),
-        (nb09._unsorted, "in vocabulary order"),
-        (nb09._all_ties_kept, "kept every token tied with the boundary"),
-        (nb09._zero_filled, "must become -inf, not 0"),
-        (nb09._probabilities, "not probabilities"),
+        own(nb09.TOP_P_MISTAKES, "the boundary token is missing"),
+        own(nb09.TOP_P_MISTAKES, "walked up from the *least* likely"),
+        own(nb09.TOP_P_MISTAKES, "p is a probability mass"),
+        own(nb09.TOP_P_MISTAKES, "in vocabulary order"),
+        own(nb09.TOP_P_MISTAKES, "kept every token tied with the boundary"),
+        own(nb09.TOP_P_MISTAKES, "must become -inf, not 0"),
+        own(nb09.TOP_P_MISTAKES, "not probabilities"),
         (_top_p_in_place, "writes into the `scores`"),
     ],
     ids=["drops-boundary", "ascending", "on-logits", "unsorted", "ties", "zero-fill", "probabilities", "in-place"],
@@ -62,13 +70,16 @@ def test_nb09_top_p_mistakes_are_named(capsys, wrong, says):
 
 def test_nb09_top_p_cases_sit_far_from_rounding():
     """Every case keeps the same tokens whichever direction the sum runs (no knife-edge p)."""
+    # (The cases are the module's private builder: the checker is their only public use, and it
+    # says pass or fail, not why; these two tests check the expected answers themselves.)
     for (scores, p), want in nb09._top_p_cases():
         assert nb09.same_filter(_top_p_descending(scores, p), want)
 
 
 def test_nb09_dropping_the_boundary_can_keep_nothing(capsys):
     scores = torch.tensor([[5.0, 1.0, 0.0]])
-    assert not nb09._drop_boundary(scores, 0.9).isfinite().any()
+    drop_boundary, _ = own(nb09.TOP_P_MISTAKES, "the boundary token is missing")
+    assert not drop_boundary(scores, 0.9).isfinite().any()
     assert nb09._top_p_cases()[2][1].isfinite().sum() == 1  # the package keeps the one confident token
 
 
@@ -105,11 +116,11 @@ def test_nb09_penalty_right_answer_passes(capsys):
 @pytest.mark.parametrize(
     "wrong, says",
     [
-        (nb09._ctrl_paper, "the CTRL paper's original rule"),
-        (nb09._divides_negatives, "moves towards 0, i.e. UP"),
-        (nb09._generated_only, "the prompt's tokens are not penalized"),
-        (nb09._per_occurrence, "once per occurrence"),
-        (nb09._signs_swapped, "the signs are swapped"),
+        own(nb09.PENALTY_MISTAKES, "the CTRL paper's original rule"),
+        own(nb09.PENALTY_MISTAKES, "moves towards 0, i.e. UP"),
+        own(nb09.PENALTY_MISTAKES, "the prompt's tokens are not penalized"),
+        own(nb09.PENALTY_MISTAKES, "once per occurrence"),
+        own(nb09.PENALTY_MISTAKES, "the signs are swapped"),
         (_penalty_in_place, "writes into the `scores`"),
     ],
     ids=["ctrl", "divides-negatives", "generated-only", "per-occurrence", "signs-swapped", "in-place"],
@@ -134,9 +145,9 @@ def test_nb09_stop_right_answer_passes(capsys):
 @pytest.mark.parametrize(
     "wrong, says",
     [
-        (nb09._keeps_stop, "cut *before* the stop string"),
-        (nb09._last_occurrence, "the *first* occurrence"),
-        (nb09._first_listed, "not the first one listed"),
+        own(nb09.STOP_MISTAKES, "cut *before* the stop string"),
+        own(nb09.STOP_MISTAKES, "the *first* occurrence"),
+        own(nb09.STOP_MISTAKES, "not the first one listed"),
         (lambda text, stops: [*_cut_right(text, stops)], "expected a tuple, got a list"),
     ],
     ids=["keeps-stop", "last-occurrence", "first-listed", "list"],
@@ -162,10 +173,10 @@ def test_nb09_beam_right_answer_passes(capsys):
 @pytest.mark.parametrize(
     "wrong, says",
     [
-        (nb09._num_beams_only, "2 × num_beams candidates"),
-        (nb09._divmod_swapped, "parent and token are swapped"),
-        (nb09._without_beam_scores, "add each beam's cumulative score"),
-        (nb09._fixed_share_per_beam, "rank all beams' continuations together"),
+        own(nb09.BEAM_MISTAKES, "2 × num_beams candidates"),
+        own(nb09.BEAM_MISTAKES, "parent and token are swapped"),
+        own(nb09.BEAM_MISTAKES, "add each beam's cumulative score"),
+        own(nb09.BEAM_MISTAKES, "rank all beams' continuations together"),
     ],
     ids=["num-beams-only", "divmod-swapped", "no-beam-scores", "fixed-share"],
 )

@@ -225,6 +225,8 @@ def test_regions_check_the_guards_of_each_new_signature_once(tiny_folder, monkey
     short = ([[3, 1, 4]], SamplingParams(max_new_tokens=4, ignore_eos=True))
     engine.generate(*short)  # builds (or finds) the programs
     checks: list[object] = []
+    # The guard checks are internal to the compiled backend (nothing public counts them): the
+    # private helper is patched to count them, the only way to see that a step skips them.
     original = compiled_backend._guards_pass
     monkeypatch.setattr(compiled_backend, "_guards_pass", lambda program, args: checks.append(program) or
                         original(program, args))

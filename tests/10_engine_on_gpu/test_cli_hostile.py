@@ -11,7 +11,7 @@ import pytest
 
 import minillm
 import minillm.__main__ as cli
-from minillm import Engine, load_model
+from minillm import Engine, Tokenizer
 
 from helpers.checkpoints import tiny_hf_checkpoint
 
@@ -46,7 +46,7 @@ def test_ctrl_c_outside_a_chat_exits_130_without_a_traceback(monkeypatch, capsys
 
 
 def test_chat_survives_ctrl_c_and_a_conversation_longer_than_the_context(tiny_folder, monkeypatch, capsys):
-    model, tok = load_model(tiny_folder, device="cpu")
+    tok = Tokenizer.from_file(tiny_folder)
     engines: list[Engine] = []
 
     class EagerEngine(Engine):  # the policy under test is the chat loop's, not the compiler's
@@ -81,9 +81,9 @@ def test_chat_survives_ctrl_c_and_a_conversation_longer_than_the_context(tiny_fo
         return line
 
     monkeypatch.setattr(minillm.engine, "Engine", EagerEngine)
-    monkeypatch.setattr(cli, "_load", lambda args: (model, tok))
     monkeypatch.setattr("builtins.input", scripted_input)
-    assert cli.main(["chat", "--max-new-tokens", "8", "--temperature", "1.0", "--seed", "0"]) == 0
+    assert cli.main(["chat", "--model", str(tiny_folder), "--device", "cpu", "--max-new-tokens", "8",
+                     "--temperature", "1.0", "--seed", "0"]) == 0
     out, err = capsys.readouterr()
     # answered: hello, tell me more (stopped), the two long ones, "and now?" (after the refused one)
     assert "[stopped]" in out and out.count("assistant> ") == 5

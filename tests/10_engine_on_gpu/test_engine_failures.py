@@ -3,6 +3,8 @@ back and the engine keeps serving. A tiny random checkpoint keeps these fast (ea
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -123,11 +125,14 @@ def test_the_pool_is_back_where_it_started_after_any_failure(tiny, monkeypatch, 
         elif how == "interrupt":
             patch.setattr(engine.runner, "decode", failing(engine.runner.decode, KeyboardInterrupt()))
         try:
-            if how == "consumer":
-                for i, _ in enumerate(engine._run([engine._request(p, SamplingParams(max_new_tokens=30), 0)
-                                                   for p in prompts])):
-                    if i >= fail_at:
-                        raise Boom()
+            if how == "consumer":  # the caller's loop fails while it reads the streams, which it drops
+                streams = [engine.stream(p, SamplingParams(max_new_tokens=30)) for p in prompts]
+                try:
+                    for i, _ in enumerate(itertools.chain.from_iterable(itertools.zip_longest(*streams))):
+                        if i >= fail_at:
+                            raise Boom()
+                finally:
+                    del streams
             else:
                 engine.generate(prompts, params)
         except (Boom, KeyboardInterrupt, ValueError):
@@ -296,6 +301,8 @@ def test_a_failure_after_a_request_finished_in_the_same_prefill_still_frees_its_
     # aborting it is a no-op, but it had not been retired yet: its blocks must come back all the same.
     engine = _engine(tiny)
     request = engine.add_request([5, 6, 7, 8, 9], SamplingParams(max_new_tokens=1))
+    # (A beam search is queued for step() only inside generate(), which runs it to the end: the
+    # engine's own constructor of one is the way to have it share this step with the request.)
     engine.waiting.append(engine._beam_search([9, 8, 7], SamplingParams(max_new_tokens=3, num_beams=2)))
     with monkeypatch.context() as patch:
         patch.setattr(BeamSearch, "advance", lambda *args: (_ for _ in ()).throw(KeyboardInterrupt()))

@@ -278,6 +278,9 @@ def test_offset_through_the_package_kernel_breaks_the_rule(capsys):
         assert f"it calls `{op}`" in capsys.readouterr().out
 
 
+# The three tests that read ``nb11._*_cases()`` check the checkers' expected answers themselves:
+# the cases are the module's private builders, and the checkers (their only public use) say pass or
+# fail, not whether what they expect is right.
 def test_the_offset_expected_answers_are_the_float64_product_and_the_kernel_meets_them():
     # the expected values are the exact product, rounded once; the package's kernel is within the check's tolerance
     for (x, qs, d, m), want in nb11._offset_cases():

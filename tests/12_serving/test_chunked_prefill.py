@@ -117,6 +117,8 @@ def test_a_beam_search_being_prefilled_counts_all_its_beams_against_max_batch_si
     # from its first step on: a request admitted meanwhile must not push the batch past the limit.
     model, tok = tiny64
     engine = minillm.Engine(model, tok, block_size=4, backend="eager", max_batch_size=2, prefill_chunk_tokens=4)
+    # (A beam search is queued for step() only inside generate(), which runs it to the end: the
+    # engine's own constructor of one is the way to step it beside a request and watch the batch.)
     search = engine._beam_search(_prompts(tok)[1], SamplingParams(max_new_tokens=4, num_beams=2))
     engine.waiting.append(search)
     request = engine.add_request(_prompts(tok)[0], SamplingParams(max_new_tokens=6, ignore_eos=True))

@@ -120,24 +120,19 @@ def test_a_beam_search_caches_its_prompt_for_later_requests(tiny64):
 
 
 # --------------------------------------------------------------------------- hostile streams
-_ALONE: dict = {}  # (model, prompt, params, index) -> its answer alone, computed once
+_ALONE: dict = {}  # (model, prompt, params) -> generate()'s answers on a plain engine, computed once
 
 
 def _alone(tiny64, prompt, params, index):
     """What a unit generates alone on a plain engine (no prefix caching, a large pool): the answer
     it must give whatever ran beside it, whatever it reused, however often it was preempted."""
     model, tok = tiny64
-    key = (id(model), tuple(prompt), repr(params), index)
+    key = (id(model), tuple(prompt), repr(params))
     if key not in _ALONE:
         engine = minillm.Engine(model, tok, block_size=4, backend="eager")
-        if params.num_beams > 1:
-            _ALONE[key] = [c.token_ids for c in engine.generate([prompt], params)]
-        else:
-            request = engine._request(prompt, params, index)
-            for _ in engine._run([request]):
-                pass
-            _ALONE[key] = request.output_ids
-    return _ALONE[key]
+        _ALONE[key] = [c.token_ids for c in engine.generate([prompt], params)]
+    # a beam search's answer is its n best; a request's, completion ``index`` of the prompt's n
+    return _ALONE[key] if params.num_beams > 1 else _ALONE[key][index]
 
 
 def _done(unit) -> bool:
@@ -238,6 +233,9 @@ def test_random_request_streams_with_prefix_caching_end_whole_and_answer_as_alon
         while arrivals or engine.has_unfinished_requests():
             while arrivals and arrivals[0][0] <= step:
                 _, prompt, params = arrivals.pop(0)
+                # The units are made by the engine's own constructors and queued here: the public
+                # calls either run them to the end (generate) or take one completion and no beams
+                # (add_request), and this test interleaves all kinds with its own steps and aborts.
                 try:  # refused up front when it cannot fit the pool even alone
                     new = [engine._beam_search(prompt, params)] if params.num_beams > 1 else \
                         [engine._request(prompt, params, i) for i in range(params.n)]
@@ -259,7 +257,7 @@ def test_random_request_streams_with_prefix_caching_end_whole_and_answer_as_alon
     assert engine.manager.allocator.num_free == engine.manager.allocator.num_blocks
     assert not engine.manager.block_tables
     for unit, prompt, params, index in units:
-        if id(unit) not in aborted:
+        if id(unit) not in aborted:  # (a beam search's completions: what generate() makes of it)
             got = [c.token_ids for c in engine._beam_completions(prompt, unit)] if isinstance(unit, BeamSearch) \
                 else unit.output_ids
             assert got == _alone(tiny64, prompt, params, index)
