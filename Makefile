@@ -44,7 +44,7 @@ test: setup
 FUZZ_EXAMPLES ?= 20000
 
 fuzz: setup
-	MINILLM_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PYTHON) -m pytest tests/test_loading_hostile.py -q \
+	MINILLM_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PYTHON) -m pytest tests/06_real_weights/test_hostile.py -q \
 		-k "fuzz or any_ or declared_sizes" --hypothesis-show-statistics
 
 # JupyterLab draws a saved widget (and other rich output) only in a notebook this user trusts;

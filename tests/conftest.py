@@ -2,12 +2,18 @@
 
 Everything expensive is built once per session: SmolLM2's tokenizer read from its GGUF file
 (~3 s), the transformers reference reading the same GGUF (~6 s), GPT-2 (minillm and HF
-``tokenizers``), the corpus and a small tokenizer trained on a slice of it.
+``tokenizers``), the corpus and a small tokenizer trained on a slice of it. The fixtures shared by
+several notebooks' folders are here too (a tiny tokenizer and random checkpoint, transformers'
+greedy tokens on the real model); plain helpers are in ``tests/helpers/``.
+
+Nothing here imports torch when the file is loaded: the block manager's and the scheduler's tests
+run where torch cannot be imported (``tests/package/test_import_graph.py``).
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -84,7 +90,6 @@ def trained(corpus_text: str) -> Tokenizer:
     return train_bpe(corpus_text[CORPUS_SLICE], TRAINED_VOCAB_SIZE, TRAINED_SPECIALS, progress=False)
 
 
-
 # The hand-written C++ kernels (``minillm/model/kernels``) are built on first use, which takes a
 # minute: through these fixtures, only when a test that needs them runs (collecting compiles nothing).
 @pytest.fixture(scope="session")
@@ -116,3 +121,53 @@ def cxx_compiler() -> None:
     why = why_not_compiled(torch.device("cpu"))
     if why:
         pytest.skip(f"torch.compile cannot run here: {why}")
+
+
+# The tiny models: a random transformers checkpoint with a small trained tokenizer, fast enough to
+# load in every module that needs a model but not the real one (``helpers.checkpoints``).
+@pytest.fixture(scope="module")
+def tiny_tokenizer() -> Tokenizer:
+    """A 300-token byte-level BPE trained on the first 20,000 characters of the corpus."""
+    text = corpus_path().read_text(encoding="utf-8")[:20000]
+    return train_bpe(text, 300, ["<|endoftext|>"], progress=False)
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory, tiny_tokenizer) -> Path:
+    """A tiny random Llama checkpoint (2 layers, hidden 64, 4 heads / 2 KV heads), never modified."""
+    from helpers.checkpoints import tiny_hf_checkpoint
+
+    return tiny_hf_checkpoint(tmp_path_factory.mktemp("pristine") / "ckpt", tiny_tokenizer, "llama")
+
+
+# The real model's greedy tokens, as transformers computes them (``helpers.greedy``).
+@pytest.fixture(scope="module")
+def prompt_ids(smollm) -> list[list[int]]:
+    """``helpers.greedy.PROMPTS`` encoded: three lengths, none a multiple of ``ODD_BLOCK``."""
+    from helpers.greedy import ODD_BLOCK, PROMPTS
+
+    _, tok = smollm
+    ids = [tok.encode(p) for p in PROMPTS]
+    assert len({len(i) for i in ids}) == len(ids), "the batch must mix prompt lengths"
+    assert all(len(i) % ODD_BLOCK for i in ids)
+    return ids
+
+
+@pytest.fixture(scope="module")
+def transformers_greedy(smollm, prompt_ids) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt (``NEW_TOKENS`` tokens), read from the same GGUF."""
+    import torch
+
+    from helpers.greedy import NEW_TOKENS
+    from minillm.reference import hf_gguf_model
+
+    _, tok = smollm
+    reference = hf_gguf_model()
+    outputs = []
+    for ids in prompt_ids:
+        out = reference.generate(
+            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id,
+        )
+        outputs.append(out[0, len(ids):].tolist())
+    return outputs

@@ -25,7 +25,7 @@ tokens so far) when room returns. Its output is unchanged, only recomputed.
 
 No tensors and no model here: a unit is a ``SequenceGroup`` (a request, or a beam search's
 beams) and a forward is a ``ScheduledBatch``, which the engine runs (tested with fakes in
-``tests/test_scheduler.py``).
+``tests/10_engine_on_gpu/test_scheduler.py``).
 """
 
 from __future__ import annotations

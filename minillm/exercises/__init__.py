@@ -10,7 +10,7 @@ Hints come in tiers: a failing check says how many there are, and calling it aga
 ``hint=1``, ``hint=2``, ... reveals that many, from a nudge to nearly the answer.
 
 The exercises of notebook NN live in ``minillm.exercises.nbNN`` (their cases are computed from
-the package, their classic mistakes are written out, and ``tests/test_exercises.py`` feeds each
+the package, their classic mistakes are written out, and ``tests/NN_*/test_exercises.py`` feeds each
 classic mistake in and checks the message); :func:`check` is the engine they share.
 """
 
