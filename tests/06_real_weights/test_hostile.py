@@ -37,7 +37,7 @@ from safetensors.torch import load_file, save_file
 import minillm
 from minillm import FileFormatError, Tokenizer
 from minillm.gguf_io import open_gguf
-from minillm.model import loading
+from minillm.model import checkpoint, loading
 
 from helpers.checkpoints import DEFAULT_GGUF_META, write_gguf
 
@@ -267,7 +267,7 @@ def _never_built(monkeypatch) -> None:
     def built(*args, **kwargs):
         raise AssertionError("the model was built before the config was checked")
 
-    monkeypatch.setattr(loading, "Transformer", built)
+    monkeypatch.setattr(checkpoint, "Transformer", built)
 
 
 @pytest.mark.parametrize("layers", [200_000, 3, 2**31 - 1])
@@ -384,14 +384,14 @@ def test_any_shard_name_opens_nothing_outside_the_folder(pristine, tmp_path_fact
     loader opens lies inside the folder."""
     folder = _sharded(_copy(pristine, tmp_path_factory.mktemp("shard")), name)
     opened: list[Path] = []
-    real_safe_open = loading.safe_open
+    real_safe_open = checkpoint.safe_open
 
     def spy(path, **kwargs):
         opened.append(Path(path))
         return real_safe_open(path, **kwargs)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(loading, "safe_open", spy)
+        mp.setattr(checkpoint, "safe_open", spy)
         try:
             with time_limit():
                 minillm.load_model(folder, device="cpu")
