@@ -16,8 +16,22 @@ from typing import Any
 
 import torch
 
-from minillm.cache import BlockAllocator, BlockManager, OutOfBlocksError, PagedKVCache
+from minillm.cache import BlockManager, OutOfBlocksError, PagedKVCache
 from minillm.exercises import Mistake, check
+from minillm.exercises.nb08_mistakes import (
+    AllocatesOnDemand,
+    CopyKeepsTheOldHold,
+    DoubleFreeAccepted,
+    FifoAllocator,
+    ForkSharesTheList,
+    ForkWithoutCounting,
+    FreeAlwaysReturns,
+    FreeForgetsTheOthers,
+    NoCopyOnWrite,
+    PopsAnEmptyList,
+    ReleasesBeforeCopying,
+    adapted,
+)
 from minillm.model.attention import write_kv
 from minillm.model.config import ModelConfig
 
@@ -266,145 +280,6 @@ def _run_learner(cls: type, script: Script) -> tuple[tuple[str, ...], ...]:
     return _trace(script, run_op, state, (Exception,))
 
 
-class _OnThePackage:
-    """The learner's interface on top of minillm's ``BlockManager``. Each wrong answer below
-    replaces one piece of it: the allocator (``allocator_class``), ``fork`` or ``append_slot``."""
-
-    allocator_class: type[BlockAllocator] = BlockAllocator
-
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        self.m = BlockManager(num_blocks, block_size)
-        self.m.allocator = self.allocator_class(num_blocks)
-        self.block_size = block_size
-
-    ref_counts = property(lambda self: self.m.allocator.ref_counts)
-    tables = property(lambda self: self.m.block_tables)
-    lengths = property(lambda self: self.m.lengths)
-    num_free = property(lambda self: self.m.allocator.num_free)
-
-    def add_sequence(self, seq: int) -> None:
-        self.m.add_sequence(seq)
-
-    def free_sequence(self, seq: int) -> None:
-        self.m.free_sequence(seq)
-
-    def allocate(self) -> int:
-        return self.m.allocator.allocate()
-
-    def free_block(self, block: int) -> None:
-        self.m.allocator.free(block)
-
-    def fork(self, parent: int, child: int) -> None:
-        self.m.fork(parent, child)
-
-    def append_slot(self, seq: int) -> tuple[int, int, tuple[int, int] | None]:
-        copies = self.m.reserve([seq], [1])
-        position = self.lengths[seq]
-        self.m.advance([seq], [1])
-        return self.tables[seq][position // self.block_size], position % self.block_size, (copies or [None])[0]
-
-
-class _FifoAllocator(BlockAllocator):
-    def allocate(self) -> int:
-        if not self.free_list:
-            raise OutOfBlocksError("no free block")
-        block = self.free_list.pop(0)
-        self.ref_counts[block] = 1
-        return block
-
-
-class _PopsAnEmptyList(BlockAllocator):
-    def allocate(self) -> int:
-        block = self.free_list.pop()
-        self.ref_counts[block] = 1
-        return block
-
-
-class _FreeAlwaysReturns(BlockAllocator):
-    def free(self, block: int) -> None:
-        if self.ref_counts[block] == 0:
-            raise ValueError(f"block {block} is already free")
-        self.ref_counts[block] -= 1
-        self.free_list.append(block)
-
-
-class _FreeForgetsTheOthers(BlockAllocator):
-    def free(self, block: int) -> None:
-        if self.ref_counts[block] == 0:
-            raise ValueError(f"block {block} is already free")
-        self.ref_counts[block] = 0
-        self.free_list.append(block)
-
-
-class _DoubleFreeAccepted(BlockAllocator):
-    def free(self, block: int) -> None:
-        self.ref_counts[block] -= 1
-        if self.ref_counts[block] == 0:
-            self.free_list.append(block)
-
-
-class _AllocatesOnDemand(_OnThePackage):
-    """``append_slot`` as a learner writes it: allocate when the token needs a block, without
-    asking first how many are free (the package's ``reserve`` checks before it changes anything).
-    The copy-on-write of a shared last block is its own method, so each classic mistake below
-    rewrites only that."""
-
-    def append_slot(self, seq: int) -> tuple[int, int, tuple[int, int] | None]:
-        position, table = self.lengths[seq], self.tables[seq]
-        copy = None
-        if position % self.block_size == 0:
-            table.append(self.allocate())
-        elif self.ref_counts[table[-1]] > 1:
-            copy = self.copy_on_write(table)
-        self.lengths[seq] += 1
-        return table[-1], position % self.block_size, copy
-
-    def copy_on_write(self, table: list[int]) -> tuple[int, int] | None:
-        copy = (table[-1], self.allocate())
-        self.free_block(copy[0])
-        table[-1] = copy[1]
-        return copy
-
-
-def _with(allocator: type[BlockAllocator], base: type[_OnThePackage] = _OnThePackage) -> type[_OnThePackage]:
-    return type(f"_With{allocator.__name__}", (base,), {"allocator_class": allocator})
-
-
-class _ForkWithoutCounting(_OnThePackage):
-    def fork(self, parent: int, child: int) -> None:
-        self.tables[child] = list(self.tables[parent])
-        self.lengths[child] = self.lengths[parent]
-
-
-class _ForkSharesTheList(_OnThePackage):
-    def fork(self, parent: int, child: int) -> None:
-        for block in self.tables[parent]:
-            self.ref_counts[block] += 1
-        self.tables[child] = self.tables[parent]
-        self.lengths[child] = self.lengths[parent]
-
-
-class _NoCopyOnWrite(_AllocatesOnDemand):
-    def copy_on_write(self, table: list[int]) -> tuple[int, int] | None:
-        return None  # writes into the shared block
-
-
-class _CopyKeepsTheOldHold(_AllocatesOnDemand):
-    def copy_on_write(self, table: list[int]) -> tuple[int, int] | None:
-        copy = (table[-1], self.allocate())
-        table[-1] = copy[1]
-        return copy
-
-
-class _ReleasesBeforeCopying(_AllocatesOnDemand):
-    def copy_on_write(self, table: list[int]) -> tuple[int, int] | None:
-        old = table[-1]
-        self.free_block(old)
-        copy = (old, self.allocate())
-        table[-1] = copy[1]
-        return copy
-
-
 def _as_mistake(cls: type, message: str) -> Mistake:
     return Mistake(lambda script: _run_learner(cls, script), message)
 
@@ -414,27 +289,27 @@ FREED_WHILE_HELD = ("a block went back on the free list while another sequence s
                     "otherwise the next allocation hands out a block someone is still reading.")
 
 MANAGER_MISTAKES = [
-    _as_mistake(_with(_FifoAllocator), "your allocator hands out blocks in another order: the free list is a stack "
+    _as_mistake(adapted(FifoAllocator), "your allocator hands out blocks in another order: the free list is a stack "
                 "(pop() from its end gives 0, 1, 2, ... at first, then the most recently freed block)."),
-    _as_mistake(_with(_PopsAnEmptyList, _AllocatesOnDemand),
+    _as_mistake(adapted(PopsAnEmptyList, AllocatesOnDemand),
                 "allocate() on an empty free list must raise OutOfBlocksError (the step is "
                 "refused and the scheduler decides what to preempt), not IndexError."),
-    _as_mistake(_ForkWithoutCounting, "fork() did not increment the reference counts: after fork(0, 1) each of "
+    _as_mistake(ForkWithoutCounting, "fork() did not increment the reference counts: after fork(0, 1) each of "
                 "sequence 0's blocks is held by two tables, so its count must be 2 (otherwise freeing one "
                 "sequence frees blocks the other still reads)."),
-    _as_mistake(_ForkSharesTheList, "fork() gave the child the parent's table itself (the same list object): "
+    _as_mistake(ForkSharesTheList, "fork() gave the child the parent's table itself (the same list object): "
                 "copy it, list(table), or a block the child appends or copies shows up in the parent's table."),
-    _as_mistake(_with(_FreeAlwaysReturns), FREED_WHILE_HELD),
-    _as_mistake(_with(_FreeForgetsTheOthers), FREED_WHILE_HELD),
-    _as_mistake(_with(_DoubleFreeAccepted),
+    _as_mistake(adapted(FreeAlwaysReturns), FREED_WHILE_HELD),
+    _as_mistake(adapted(FreeForgetsTheOthers), FREED_WHILE_HELD),
+    _as_mistake(adapted(DoubleFreeAccepted),
                 "free_block() of a block that is already free was accepted: refuse a double "
                 "free with ValueError (a block on the free list twice would be handed to two sequences)."),
-    _as_mistake(_NoCopyOnWrite, "a sequence wrote into a block it shares (its last, partly filled one): copy it "
+    _as_mistake(NoCopyOnWrite, "a sequence wrote into a block it shares (its last, partly filled one): copy it "
                 "first (copy-on-write): allocate a new block, return (old, new) as the copy, free_block(old) and "
                 "put the new block in the table; the other sequence's tokens must not change."),
-    _as_mistake(_CopyKeepsTheOldHold, "after copy-on-write, release the writer's hold on the old block "
+    _as_mistake(CopyKeepsTheOldHold, "after copy-on-write, release the writer's hold on the old block "
                 "(free_block(old)): its count stays too high and it never returns to the free list."),
-    _as_mistake(_ReleasesBeforeCopying, "copy-on-write changed the reference counts before it had its new block: "
+    _as_mistake(ReleasesBeforeCopying, "copy-on-write changed the reference counts before it had its new block: "
                 "allocate the copy first, then free_block(old), so a step that runs out of blocks leaves the "
                 "pool as it was."),
 ]

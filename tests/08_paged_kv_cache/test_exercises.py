@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from minillm.cache import OutOfBlocksError
-from minillm.exercises import nb08
+from minillm.exercises import nb08, nb08_mistakes
 
 
 class RightManager:
@@ -204,8 +204,8 @@ def test_the_package_adapter_passes(capsys):
     """The wrong answers are built on the package's BlockManager: unchanged, it passes every script.
     (The two adapters are private to the module, the base classes of its listed mistakes: there is
     no public name for them, and that they pass is what makes each mistake a one-bug variant.)"""
-    assert nb08.check_block_manager(nb08._OnThePackage) is True
-    assert nb08.check_block_manager(nb08._AllocatesOnDemand) is True
+    assert nb08.check_block_manager(nb08_mistakes.OnThePackage) is True
+    assert nb08.check_block_manager(nb08_mistakes.AllocatesOnDemand) is True
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,7 @@ the filtered distribution (chi-square on the real model's next-token logits), an
 from __future__ import annotations
 
 import math
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -19,9 +20,11 @@ from transformers.generation.utils import GenerationMixin
 
 import minillm
 from minillm.sampling import (
+    NO_TOKEN,
     MinP,
     RepetitionPenalty,
     SamplingParams,
+    SamplingState,
     Temperature,
     TopK,
     TopP,
@@ -30,6 +33,7 @@ from minillm.sampling import (
     filtered_distribution,
     make_generator,
     next_token,
+    sample_batch,
 )
 
 INF = math.inf
@@ -357,7 +361,14 @@ def test_chi_square_check_catches_a_wrong_distribution(paris):
         ("num_beams", 0),
         ("repetition_penalty", 0.0),
         ("repetition_penalty", -1.0),
+        ("repetition_penalty", 1e-300),  # logits / 1e-300 overflow to inf: every probability NaN
+        ("repetition_penalty", 0.009),
+        ("repetition_penalty", 1e300),
+        ("length_penalty", 1e308),  # length ** 1e308 overflows a float
+        ("length_penalty", -17.0),
         ("n", 0),
+        ("n", 10**6),  # a million completions: hours of work for one call
+        ("num_beams", 129),
         ("seed", -1),
         ("temperature", math.nan),
         ("top_p", math.nan),
@@ -368,7 +379,7 @@ def test_chi_square_check_catches_a_wrong_distribution(paris):
     ],
 )
 def test_params_reject_bad_values_by_name(name, value):
-    with pytest.raises(ValueError, match=f"^{name} must .*got {value}"):
+    with pytest.raises(ValueError, match=f"^{name} must .*got {re.escape(str(value))}$"):
         SamplingParams(**{name: value})
 
 
@@ -445,3 +456,57 @@ def test_the_samplers_argmax_is_torch_argmax(rows, vocab, seed, kind):
     assert torch.equal(argmax(scores), scores.argmax(dim=-1))
     transposed_layout = scores.t().contiguous().t()  # the same values, column-major in memory
     assert torch.equal(argmax(transposed_layout), scores.argmax(dim=-1))
+
+
+# ---------------------------------------------------------------------------- one bad row
+ROW_PARAMS = [SamplingParams(), SamplingParams(temperature=0.8, seed=3), SamplingParams(temperature=1.0, top_k=5, seed=4),
+              SamplingParams(temperature=0.7, top_p=0.9, min_p=0.05, seed=5), SamplingParams(repetition_penalty=1.3),
+              SamplingParams(temperature=1.2, repetition_penalty=0.8, seed=6)]
+
+
+def _states(params: list[SamplingParams], vocab: int) -> list[SamplingState]:
+    return [SamplingState(p, [1, 2, 3], vocab, make_generator(p.seed)) for p in params]
+
+
+@settings(max_examples=80, deadline=None)
+@given(rows=st.lists(st.sampled_from(range(len(ROW_PARAMS))), min_size=1, max_size=8), data=st.data(),
+       poison=st.sampled_from(["nan", "all -inf", "+inf", "nan everywhere"]))
+def test_a_row_that_cannot_be_sampled_fails_alone(rows, data, poison):
+    """A row whose logits hold NaN (or, sampled, no finite probability) gets NO_TOKEN and a reason;
+    every other row draws exactly what it draws in a batch without the bad row."""
+    vocab = 50
+    params = [ROW_PARAMS[i] for i in rows]
+    bad = data.draw(st.sets(st.integers(0, len(rows) - 1), max_size=len(rows)))
+    logits = torch.randn(len(rows), vocab, generator=torch.Generator().manual_seed(len(rows)))
+    for row in bad:
+        if poison == "nan":
+            logits[row, row % vocab] = math.nan
+        elif poison == "nan everywhere":
+            logits[row] = math.nan
+        elif poison == "all -inf":
+            logits[row] = -math.inf
+        else:
+            logits[row, 7] = math.inf
+    states = _states(params, vocab)
+    tokens = sample_batch(logits, states)
+    good = [r for r in range(len(rows)) if r not in bad]
+    alone = sample_batch(logits[good], _states([params[r] for r in good], vocab)) if good else torch.empty(0)
+    assert tokens[good].tolist() == alone.tolist()
+    for row in bad:
+        greedy_and_finite = params[row].is_greedy and poison in ("all -inf", "+inf")  # an argmax exists
+        if greedy_and_finite:
+            assert tokens[row] != NO_TOKEN and states[row].error is None
+        else:
+            assert tokens[row] == NO_TOKEN
+            assert "NaN" in states[row].error or "not finite" in states[row].error
+    assert all(states[r].error is None for r in good)
+
+
+def test_a_failed_row_draws_nothing_from_its_generator():
+    """A seeded request whose row failed once keeps its random stream where it was."""
+    params = SamplingParams(temperature=1.0, seed=11)
+    logits = torch.randn(1, 30, generator=torch.Generator().manual_seed(0))
+    state = SamplingState(params, [], 30, make_generator(params.seed))
+    assert sample_batch(torch.full((1, 30), math.nan), [state]).item() == NO_TOKEN
+    fresh = SamplingState(params, [], 30, make_generator(params.seed))
+    assert sample_batch(logits, [state]).item() == sample_batch(logits, [fresh]).item()

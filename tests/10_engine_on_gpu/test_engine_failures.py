@@ -4,6 +4,8 @@ back and the engine keeps serving. A tiny random checkpoint keeps these fast (ea
 from __future__ import annotations
 
 import itertools
+import math
+import re
 
 import pytest
 import torch
@@ -310,3 +312,83 @@ def test_a_failure_after_a_request_finished_in_the_same_prefill_still_frees_its_
             engine.step()
     assert request.finish_reason == "length"
     assert not engine.has_unfinished_requests() and _all_free(engine)
+
+
+# ---------------------------------------------------------------------------- one bad row
+MIXED = [SamplingParams(max_new_tokens=8, ignore_eos=True, **kw) for kw in  # greedy and sampled rows, all 8 tokens long
+         [{}, {"temperature": 0.9, "seed": 1}, {"repetition_penalty": 1.2}, {"temperature": 1.1, "top_k": 8, "seed": 2}]]
+
+
+def _poisoning(engine: Engine, call: int, row: int, value: float, stage: str = "decode"):
+    """Wrap the runner so that forward number ``call`` (of ``stage``) writes ``value`` into one
+    logit of row ``row``: a numerical fault in one request's logits, mid-batch."""
+    real = getattr(engine.runner, stage)
+    calls = itertools.count()
+
+    def poisoned(*args, **kwargs):
+        logits = real(*args, **kwargs)
+        if next(calls) == call and row < logits.shape[0]:
+            logits = logits.clone()
+            logits[row, 5] = value
+        return logits
+
+    return poisoned
+
+
+@pytest.mark.parametrize(("stage", "call", "row"), [("decode", 0, 1), ("decode", 3, 0), ("decode", 5, 3), ("prefill", 0, 2)])
+@pytest.mark.parametrize(("value", "params"), [(math.nan, MIXED), (math.inf, [p for p in MIXED if p.do_sample] * 2)])
+def test_a_numerical_fault_in_one_row_ends_that_request_alone(tiny64, monkeypatch, stage, call, row, value, params):
+    """NaN in one row of a batched step (or +inf in a sampled row, which no softmax turns into
+    probabilities): that request alone ends, with an error naming the cause; every other
+    request's tokens are exactly those of the run without the fault; every block comes back."""
+    prompts = ["The cat", "Once upon a time there", "Hello", "A B C D E"]
+    reference = _engine(tiny64).generate(prompts, params)
+    engine = _engine(tiny64)
+    monkeypatch.setattr(engine.runner, stage, _poisoning(engine, call, row, value, stage))
+    got = engine.generate(prompts, params)
+    [failed] = [i for i, c in enumerate(got) if c.finish_reason == "error"]
+    assert "NaN" in got[failed].error or "not finite" in got[failed].error
+    assert len(got[failed].token_ids) < len(reference[failed].token_ids)
+    for i, (a, b) in enumerate(zip(reference, got)):
+        if i != failed:
+            assert (b.token_ids, b.text, b.finish_reason, b.error) == (a.token_ids, a.text, a.finish_reason, None)
+    assert _all_free(engine)
+    assert engine.generate(prompts, params) == reference  # and the engine keeps serving
+
+
+def test_a_stream_whose_request_failed_raises_a_generation_error(tiny64, monkeypatch):
+    engine = _engine(tiny64)
+    monkeypatch.setattr(engine.runner, "decode", _poisoning(engine, 1, 0, math.nan))
+    stream = engine.stream("Hello", SamplingParams(max_new_tokens=8))
+    with pytest.raises(minillm.errors.GenerationError, match="NaN"):
+        for _ in stream:
+            pass
+    assert stream.completion.finish_reason == "error" and _all_free(engine)
+
+
+def test_a_beam_search_whose_logits_hold_nan_fails_alone(tiny64, monkeypatch):
+    prompts = ["The cat", "Hello"]
+    params = [SamplingParams(max_new_tokens=6, num_beams=3), SamplingParams(max_new_tokens=6)]
+    reference = _engine(tiny64).generate(prompts, params)
+    engine = _engine(tiny64)
+    monkeypatch.setattr(engine.runner, "decode", _poisoning(engine, 1, 0, math.nan))  # row 0: a beam of the search
+    got = engine.generate(prompts, params)
+    assert got[0].finish_reason == "error" and "NaN" in got[0].error
+    assert got[1] == reference[1] and _all_free(engine)
+
+
+@pytest.mark.parametrize(("kwargs", "named"), [({"repetition_penalty": 1e-300, "temperature": 1.0}, "repetition_penalty"),
+                                                ({"length_penalty": 1e308, "num_beams": 2}, "length_penalty"),
+                                                ({"n": 10**6}, "n")])
+def test_parameters_whose_arithmetic_overflows_are_refused_up_front(tiny, kwargs, named):
+    with pytest.raises(ValueError, match=f"^{named} must be"):
+        _engine(tiny).generate(["Hello"], SamplingParams(**kwargs))
+
+
+@pytest.mark.parametrize(("kwargs", "named"), [({"max_batch_size": 10**9}, "max_batch_size"), ({"block_size": 10**9}, "block_size"),
+                                                ({"kv_cache_tokens": 10**13}, "kv_cache_tokens"),
+                                                ({"max_batch_size": 4097}, "max_batch_size must be at most")])
+def test_engine_sizes_too_large_are_refused_naming_the_argument(tiny, kwargs, named):
+    """Refused before anything is allocated, naming what the user passed (not an argument they did not)."""
+    with pytest.raises(ValueError, match=re.escape(named)):
+        _engine(tiny, **kwargs)
