@@ -855,3 +855,36 @@ def test_fuzz_config_and_index_json(pristine, tmp_path_factory, data):
             (folder / name).write_bytes(data.draw(mutations(text.encode(), spots, len(text))))
     expect_clear_error(lambda: minillm.load_model(folder, device="cpu"), "config.json", "model.safetensors.index.json",
                        "safetensors")
+
+
+# --------------------------------------------------------------------------- the same checks on both formats
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("name", ["model.norm.weight", "model.layers.1.mlp.down_proj.weight"])
+def test_safetensors_weights_that_are_not_finite_are_refused_like_gguf_ones(ckpt, value, name):
+    """No trained weight is NaN or infinite: the bytes are damaged. The GGUF loader refuses them,
+    and so does the safetensors one, naming the file and the tensor."""
+
+    path = ckpt / "model.safetensors"
+    state = load_file(path)
+    state[name] = state[name].clone()
+    state[name].view(-1)[3] = value
+    save_file(state, path)
+    with pytest.raises(FileFormatError, match=rf"model\.safetensors: tensor {re.escape(name)} holds NaN or infinite"):
+        minillm.load_model(ckpt, device="cpu")
+
+
+@pytest.mark.parametrize("shift", [0, 32, -32])  # the same start, inside the previous tensor, starting before it ends
+def test_gguf_tensors_whose_bytes_overlap_are_refused_like_safetensors_ones(tiny_gguf, tmp_path, shift):
+    """Two descriptions pointing into the same bytes: one of the two tensors is wrong, whatever
+    its values. Refused at open, naming both tensors."""
+    data, reader = bytearray(tiny_gguf.read_bytes()), open_gguf(tiny_gguf)
+    first, second = sorted(reader.tensors, key=lambda t: t.data_offset)[:2]
+    encoded = second.name.encode()
+    end = data.rindex(struct.pack("<Q", len(encoded)) + encoded, 0, reader.data_offset) + 8 + len(encoded)
+    at = end + 8 + 8 * len(second.shape)  # its offset field, after n_dims, dims and type
+    offset = first.data_offset - reader.data_offset + (first.n_bytes + shift if shift < 0 else shift)
+    struct.pack_into("<Q", data, at, offset - offset % reader.alignment)
+    path = tmp_path / "overlap.gguf"
+    path.write_bytes(bytes(data))
+    with pytest.raises(FileFormatError, match=r"overlap\.gguf.*tensors .* and .* overlap"):
+        open_gguf(path)
