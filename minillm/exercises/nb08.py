@@ -20,6 +20,7 @@ from minillm.cache import BlockManager, OutOfBlocksError, PagedKVCache
 from minillm.exercises import Mistake, check
 from minillm.exercises.nb08_mistakes import (
     AllocatesOnDemand,
+    CopiesAFullBlock,
     CopyKeepsTheOldHold,
     DoubleFreeAccepted,
     FifoAllocator,
@@ -30,6 +31,7 @@ from minillm.exercises.nb08_mistakes import (
     NoCopyOnWrite,
     PopsAnEmptyList,
     ReleasesBeforeCopying,
+    SharedBeforeFull,
     adapted,
 )
 from minillm.model.attention import write_kv
@@ -146,6 +148,12 @@ SCRIPTS = [
            (("add_sequence", 0), ("append", 0, 6), ("fork", 0, 1), ("append", 1, 1), ("append", 0, 1),
             ("append", 1, 3)),
            ("result", "tables", "ref counts", "reads")),
+    # the fork falls on a block boundary: the shared last block is full, so the next token of either
+    # sequence starts a block of its own and nothing is copied
+    Script("fork at a block boundary", 6, 4,
+           (("add_sequence", 0), ("append", 0, 8), ("fork", 0, 1), ("append", 1, 1), ("append", 0, 1),
+            ("append", 1, 3)),
+           ("result", "tables", "ref counts", "free", "reads")),
     Script("double free", 4, 4,
            (("add_sequence", 0), ("append", 0, 2), ("free_sequence", 0), ("free_block", 0)),
            ("result",)),
@@ -307,6 +315,12 @@ MANAGER_MISTAKES = [
     _as_mistake(NoCopyOnWrite, "a sequence wrote into a block it shares (its last, partly filled one): copy it "
                 "first (copy-on-write): allocate a new block, return (old, new) as the copy, free_block(old) and "
                 "put the new block in the table; the other sequence's tokens must not change."),
+    _as_mistake(SharedBeforeFull, "a full shared block was copied and the new token written at offset 0 of the "
+                "copy, over a token already there: check for a full block (position % block_size == 0: a new "
+                "block) *before* asking whether the last block is shared."),
+    _as_mistake(CopiesAFullBlock, "a full shared block was copied: nobody writes into a full block, so it can "
+                "stay shared; the next token starts a new block of its own (position % block_size == 0). "
+                "Copy-on-write is only for a shared block that is partly filled."),
     _as_mistake(CopyKeepsTheOldHold, "after copy-on-write, release the writer's hold on the old block "
                 "(free_block(old)): its count stays too high and it never returns to the free list."),
     _as_mistake(ReleasesBeforeCopying, "copy-on-write changed the reference counts before it had its new block: "
@@ -327,9 +341,9 @@ MANAGER_HINTS = [
 
 
 def check_block_manager(cls: type, hint: int = 0) -> bool:
-    """``cls(num_blocks, block_size)``: a block manager that matches minillm's ``PagedKVCache`` on six
-    scripts — allocate and free, fork, freeing a shared sequence, copy-on-write, a double free,
-    running out of blocks. After every operation its result, block tables, reference counts, free
+    """``cls(num_blocks, block_size)``: a block manager that matches minillm's ``PagedKVCache`` on seven
+    scripts — allocate and free, fork, freeing a shared sequence, copy-on-write, a fork at a block
+    boundary (a full shared block: no copy), a double free, running out of blocks. After every operation its result, block tables, reference counts, free
     blocks, lengths and the tokens each sequence reads back are compared (the fields each script
     is about)."""
 

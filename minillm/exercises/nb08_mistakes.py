@@ -147,3 +147,33 @@ class ReleasesBeforeCopying(AllocatesOnDemand):
         copy = (old, self.allocate())
         table[-1] = copy[1]
         return copy
+
+
+class CopiesAFullBlock(AllocatesOnDemand):
+    """Copy-on-write whenever the last block is shared, full or not: a full shared block is copied
+    (a wasted block and a wasted copy), then the token starts a new block anyway."""
+
+    def append_slot(self, seq: int) -> tuple[int, int, tuple[int, int] | None]:
+        position, table = self.lengths[seq], self.tables[seq]
+        copy = None
+        if table and self.ref_counts[table[-1]] > 1:
+            copy = self.copy_on_write(table)
+        if position % self.block_size == 0:
+            table.append(self.allocate())
+        self.lengths[seq] += 1
+        return table[-1], position % self.block_size, copy
+
+
+class SharedBeforeFull(AllocatesOnDemand):
+    """Asks "is the last block shared?" before "is it full?": a full shared block is copied and the
+    token is written at offset 0 of the copy, over the first token of that block."""
+
+    def append_slot(self, seq: int) -> tuple[int, int, tuple[int, int] | None]:
+        position, table = self.lengths[seq], self.tables[seq]
+        copy = None
+        if table and self.ref_counts[table[-1]] > 1:
+            copy = self.copy_on_write(table)
+        elif position % self.block_size == 0:
+            table.append(self.allocate())
+        self.lengths[seq] += 1
+        return table[-1], position % self.block_size, copy

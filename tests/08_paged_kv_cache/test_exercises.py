@@ -148,6 +148,40 @@ class FreesBeforeAllocating(RightManager):
         return table[-1], position % self.block_size, copy
 
 
+class CopiesFullSharedBlocks(RightManager):
+    """Copy-on-write whenever the last block is shared, even a full one the next token leaves alone."""
+
+    def append_slot(self, seq):
+        table, position = self.tables[seq], self.lengths[seq]
+        copy = None
+        if table and self.ref_counts[table[-1]] > 1:
+            old, new = table[-1], self.allocate()
+            self.free_block(old)
+            table[-1] = new
+            copy = (old, new)
+        if position % self.block_size == 0:
+            table.append(self.allocate())
+        self.lengths[seq] = position + 1
+        return table[-1], position % self.block_size, copy
+
+
+class ChecksSharedBeforeFull(RightManager):
+    """Asks "shared?" before "full?": at a block boundary it copies and writes into the copy's slot 0."""
+
+    def append_slot(self, seq):
+        table, position = self.tables[seq], self.lengths[seq]
+        offset, copy = position % self.block_size, None
+        if table and self.ref_counts[table[-1]] > 1:
+            old, new = table[-1], self.allocate()
+            self.free_block(old)
+            table[-1] = new
+            copy = (old, new)
+        elif offset == 0:
+            table.append(self.allocate())
+        self.lengths[seq] = position + 1
+        return table[-1], offset, copy
+
+
 class QueueNotStack(RightManager):
     def allocate(self):
         if not self.free_list:
@@ -159,7 +193,7 @@ class QueueNotStack(RightManager):
 
 def test_right_manager_passes(capsys):
     assert nb08.check_block_manager(RightManager) is True
-    assert "✅ block_manager: all 6 checks pass" in capsys.readouterr().out
+    assert "✅ block_manager: all 7 checks pass" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
@@ -175,9 +209,12 @@ def test_right_manager_passes(capsys):
         (KeepsTheOldBlock, "release the writer's hold on the old block"),
         (FreesBeforeAllocating, "allocate the copy first"),
         (QueueNotStack, "the free list is a stack"),
+        (CopiesFullSharedBlocks, "a full shared block was copied: nobody writes into a full block"),
+        (ChecksSharedBeforeFull, "check for a full block (position % block_size == 0: a new block) *before*"),
     ],
     ids=["fork-no-refcount", "free-shared-block", "no-copy-on-write", "double-free", "double-free-pushes",
-         "empty-pop", "fork-aliases-table", "cow-keeps-old-ref", "cow-frees-first", "fifo"],
+         "empty-pop", "fork-aliases-table", "cow-keeps-old-ref", "cow-frees-first", "fifo",
+         "cow-copies-full-block", "cow-shared-before-full"],
 )
 def test_manager_mistakes_are_named(capsys, wrong, says):
     assert nb08.check_block_manager(wrong) is False
@@ -206,6 +243,13 @@ def test_the_package_adapter_passes(capsys):
     no public name for them, and that they pass is what makes each mistake a one-bug variant.)"""
     assert nb08.check_block_manager(nb08_mistakes.OnThePackage) is True
     assert nb08.check_block_manager(nb08_mistakes.AllocatesOnDemand) is True
+
+
+@pytest.mark.parametrize("wrong", [nb08_mistakes.CopiesAFullBlock, nb08_mistakes.SharedBeforeFull])
+def test_a_full_shared_block_is_not_copied(capsys, wrong):
+    """The fork at a block boundary is the only script where the two differ from the right answer."""
+    assert nb08.check_block_manager(wrong) is False
+    assert "the 'fork at a block boundary' script" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
