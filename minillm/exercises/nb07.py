@@ -52,21 +52,34 @@ CACHE_STEPS = [Steps((), 5), Steps((5,), 1), Steps((5, 1), 1), Steps((5, 1, 1), 
 MakeCache = Callable[[ModelConfig, int], Any]
 
 
-def _drive(make: MakeCache, steps: Steps) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _by_layer(per_layer: list[Any]) -> Any:
+    """The layers' tensors stacked, ``[n_layers, ...]`` (index 0 of a difference is the layer); as a
+    tuple when they cannot be stacked (then the comparison says what came back instead)."""
+    if all(isinstance(t, torch.Tensor) for t in per_layer) and len({t.shape for t in per_layer}) == 1:
+        return torch.stack(per_layer)
+    return tuple(per_layer)
+
+
+def _drive(make: MakeCache, steps: Steps) -> tuple[Any, Any, torch.Tensor]:
     """Run ``steps`` as the model does (``mask``, then ``update`` in every layer, then ``advance``)
-    with seeded random keys and values; return the last step's (keys, values) of the last layer
-    and its mask."""
+    with seeded random keys and values; return the last step's keys and values of *every* layer,
+    ``[n_layers, 1, kv_heads, past_length + q_len, head_dim]``, as ``update`` returned them and
+    attention would read them right then (copied before the next layer's update, so a buffer
+    shared between layers shows), and its mask."""
     cache = make(CACHE_CONFIG, CACHE_MAX_LEN)
     g = torch.Generator().manual_seed(sum(steps.earlier) * 10 + steps.q_len)
     shape = (CACHE_CONFIG.n_kv_heads, CACHE_CONFIG.head_dim)
     for q_len in (*steps.earlier, steps.q_len):
         mask = cache.mask(None, q_len)
+        keys, values = [], []
         for layer in range(CACHE_CONFIG.n_layers):
             k = torch.randn(1, shape[0], q_len, shape[1], generator=g)
             v = torch.randn(1, shape[0], q_len, shape[1], generator=g)
-            keys, values = cache.update(layer, k, v)
+            layer_keys, layer_values = cache.update(layer, k, v)
+            keys.append(layer_keys.clone() if isinstance(layer_keys, torch.Tensor) else layer_keys)
+            values.append(layer_values.clone() if isinstance(layer_values, torch.Tensor) else layer_values)
         cache.advance(q_len)
-    return keys, values, mask
+    return _by_layer(keys), _by_layer(values), mask
 
 
 def _package(config: ModelConfig, max_len: int) -> ContiguousKVCache:
@@ -121,6 +134,28 @@ class _MaskOverOldKeys(ContiguousKVCache):
         return torch.ones(1, 1, q_len, self.length, dtype=torch.bool)
 
 
+class _OneBufferForAllLayers(ContiguousKVCache):
+    def __init__(self, config: ModelConfig, batch_size: int, max_len: int) -> None:
+        super().__init__(config, batch_size, max_len)
+        self.k = [self.k[0]] * config.n_layers  # n references to one tensor, not n tensors
+        self.v = [self.v[0]] * config.n_layers
+
+
+class _ValuesNeverWritten(ContiguousKVCache):
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self.length + k.shape[2]
+        self.k[layer][:, :, self.length : end] = k
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+
+class _KeysAsValues(ContiguousKVCache):
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self.length + k.shape[2]
+        self.k[layer][:, :, self.length : end] = k
+        self.v[layer][:, :, self.length : end] = k
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+
 def _as_mistake(cls: type[ContiguousKVCache], message: str) -> Mistake:
     return Mistake(lambda steps: _drive(lambda c, n: cls(c, 1, n), steps), message)
 
@@ -134,6 +169,13 @@ CACHE_MISTAKES = [
                 "the queries would attend to); return exactly past_length + q_len columns."),
     _as_mistake(_ReturnsOnlyNew, "update() returns only the new keys: attention needs every key so far, the "
                 "stored ones and the new ones (columns 0 .. past_length + q_len of the buffer)."),
+    _as_mistake(_OneBufferForAllLayers, "every layer reads and writes one and the same buffer, so each layer's "
+                "update() overwrites the keys of the layer before it (a list made with [buffer] * n_layers holds "
+                "n_layers references to one tensor, and an update() that ignores `layer` does the same): "
+                "each layer needs its own K and V buffers, self.k[layer] and self.v[layer]."),
+    _as_mistake(_ValuesNeverWritten, "the keys are right but the values are zeros: update() never writes v "
+                "into self.v[layer] (attention would average zeros)."),
+    _as_mistake(_KeysAsValues, "the values returned are the keys: write v, not k, into self.v[layer]."),
     _as_mistake(_MaskAtStart, "your mask puts the new queries at positions 0 .. q_len-1; they are the *last* "
                 "q_len of the past_length + q_len positions (query i sits at past_length + i), so in decode "
                 "the one new query sees every key."),
@@ -159,21 +201,24 @@ CACHE_HINTS = [
 
 
 def _writes_in_place(cls: type) -> Callable[[Callable[..., Any], tuple[Any, ...]], str | None]:
-    """A rule: the keys returned are the preallocated buffers' own columns (no new tensor per step)."""
+    """A rule: the keys and values returned are the preallocated buffers' own columns (no new tensor per step)."""
 
     def rule(fn: Callable[..., Any], args: tuple[Any, ...]) -> str | None:
         try:
             cache = cls(CACHE_CONFIG, CACHE_MAX_LEN)
-            buffers = [t.data_ptr() for t in cache.k]
+            buffers = {"keys": [t.data_ptr() for t in cache.k], "values": [t.data_ptr() for t in cache.v]}
             for q_len in (5, 1):
                 cache.mask(None, q_len)
                 for layer in range(CACHE_CONFIG.n_layers):
                     k = torch.randn(1, CACHE_CONFIG.n_kv_heads, q_len, CACHE_CONFIG.head_dim)
-                    keys, _ = cache.update(layer, k, k.clone())
-                    if keys.data_ptr() != buffers[layer] or cache.k[layer].data_ptr() != buffers[layer]:
-                        return ("the keys it returns are not a slice of the preallocated buffer (torch.cat or "
-                                ".clone() makes a new tensor and copies the whole cache every step): write into "
-                                "self.k[layer][:, :, past_length:end] and return self.k[layer][:, :, :end].")
+                    returned = dict(zip(("keys", "values"), cache.update(layer, k, k.clone())))
+                    held = {"keys": cache.k[layer], "values": cache.v[layer]}
+                    for what, tensor in returned.items():
+                        if tensor.data_ptr() != buffers[what][layer] or held[what].data_ptr() != buffers[what][layer]:
+                            return (f"the {what} it returns are not a slice of the preallocated buffer (torch.cat "
+                                    "or .clone() makes a new tensor and copies the whole cache every step): write "
+                                    "into self.k[layer][:, :, past_length:end] (and self.v[layer]) and return "
+                                    "self.k[layer][:, :, :end], self.v[layer][:, :, :end].")
                 cache.advance(q_len)
         except Exception:  # the values already passed; a rule only reports what it saw
             return None
@@ -186,11 +231,12 @@ def check_kv_cache(cls: type, hint: int = 0) -> bool:
     """``cls(config, max_len)``: a contiguous cache whose ``update`` and ``mask`` match
     ``ContiguousKVCache`` over a prefill, two decode steps and a 3-token chunk (and a 1-token prompt).
 
-    Each case compares ``(keys, values, mask)`` of the last step: keys and values of the last
-    layer as ``update()`` returned them, and the mask ``mask()`` returned.
+    Each case compares ``(keys, values, mask)`` of the last step: the keys and the values of every
+    layer as ``update()`` returned them (taken before the next layer's update), stacked
+    ``[n_layers, ...]``, and the mask ``mask()`` returned.
     """
 
-    def run(steps: Steps) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def run(steps: Steps) -> tuple[Any, Any, torch.Tensor]:
         return _drive(cls, steps)
 
     run.__name__ = getattr(cls, "__name__", "cache")

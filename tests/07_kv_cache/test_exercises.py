@@ -88,6 +88,35 @@ class Concatenating(RightCache):
         return keys, torch.cat([self.v[layer][:, :, : self.length], v], dim=2)
 
 
+class OneBufferSharedByTheLayers(RightCache):
+    def __init__(self, config, max_len):
+        super().__init__(config, max_len)
+        shape = (1, config.n_kv_heads, max_len, config.head_dim)
+        self.k = [torch.zeros(shape)] * config.n_layers  # the same tensor n_layers times
+        self.v = [torch.zeros(shape)] * config.n_layers
+
+
+class UpdateIgnoresTheLayer(RightCache):
+    def update(self, layer, k, v):
+        end = self.length + k.shape[2]
+        self.k[0][:, :, self.length : end] = k
+        self.v[0][:, :, self.length : end] = v
+        return self.k[0][:, :, :end], self.v[0][:, :, :end]
+
+
+class ValuesNeverWritten(RightCache):
+    def update(self, layer, k, v):
+        end = self.length + k.shape[2]
+        self.k[layer][:, :, self.length : end] = k
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+
+class ConcatenatingValues(RightCache):
+    def update(self, layer, k, v):
+        keys, _ = super().update(layer, k, v)
+        return keys, torch.cat([self.v[layer][:, :, : self.length], v], dim=2)
+
+
 def test_right_cache_passes(capsys):
     assert nb07.check_kv_cache(RightCache) is True
     assert "✅ kv_cache: all 5 checks pass" in capsys.readouterr().out
@@ -102,13 +131,25 @@ def test_right_cache_passes(capsys):
         (QueriesAtTheStart, "they are the *last* q_len"),
         (NoCausality, "must not see the tokens after it"),
         (MaskWithoutTheNewKeys, "the new keys included"),
-        (Concatenating, "not a slice of the preallocated buffer"),
+        (Concatenating, "the keys it returns are not a slice of the preallocated buffer"),
+        (ConcatenatingValues, "the values it returns are not a slice of the preallocated buffer"),
+        (OneBufferSharedByTheLayers, "every layer reads and writes one and the same buffer"),
+        (UpdateIgnoresTheLayer, "every layer reads and writes one and the same buffer"),
+        (ValuesNeverWritten, "update() never writes v"),
     ],
-    ids=["offset-0", "off-by-one-short", "off-by-one-long", "queries-at-start", "not-causal", "mask-too-short", "cat"],
+    ids=["offset-0", "off-by-one-short", "off-by-one-long", "queries-at-start", "not-causal", "mask-too-short", "cat",
+         "cat-values", "shared-buffer", "ignores-layer", "values-never-written"],
 )
 def test_cache_mistakes_are_named(capsys, wrong, says):
     assert nb07.check_kv_cache(wrong) is False
     assert says in capsys.readouterr().out
+
+
+def test_every_layer_is_compared(capsys):
+    """A shared buffer leaves the last layer's keys right (it wrote last): the first layer's show it."""
+    assert nb07.check_kv_cache(OneBufferSharedByTheLayers) is False
+    out = capsys.readouterr().out
+    assert "at index (0, " in out  # the difference is in layer 0
 
 
 def test_cache_stub_is_waiting(capsys):
