@@ -3,7 +3,8 @@ a token's bytes from the merges, and encoding by merge rank.
 
 The expected answers come from the package where it has the piece (``minillm.train_bpe``'s
 merges and vocabulary, ``Tokenizer.encode``, the trainer's ``_merge``); each classic mistake is
-written out as the function a learner would write, so a wrong answer of that kind is named.
+written out as the function a learner would write (``merge_word``'s in ``nb01_mistakes``), so a
+wrong answer of that kind is named.
 """
 
 from __future__ import annotations
@@ -15,12 +16,10 @@ from functools import cache
 from typing import Any
 
 from minillm.assets import corpus_path
-from minillm.exercises import Mistake, check
+from minillm.exercises import Mistake, check, nb01_mistakes
+from minillm.exercises.nb01_mistakes import Delta, Pair, delta_of, sites, without_zeros
 from minillm.tokenizer import PreTokenizer, Tokenizer, train_bpe
 from minillm.tokenizer.train import _merge, count_chunks
-
-Pair = tuple[int, int]
-Delta = dict[Pair, int]
 MergeWordFn = Callable[[list[int], int, Pair, int], tuple[list[int], Delta]]
 
 
@@ -80,19 +79,6 @@ def check_utf8_len(fn: Callable[[str], int], hint: int = 0) -> bool:
 # --- exercise 2: merge_word, the incremental merge update ----------------------------------------
 
 
-def _pair_counts(word: list[int]) -> Counter[Pair]:
-    return Counter(zip(word, word[1:]))
-
-
-def _delta(word: list[int], merged: list[int], freq: int) -> Delta:
-    """How each pair's count changes when ``word`` (seen ``freq`` times) becomes ``merged``.
-
-    This is the definition of the update, not the package's code path: recount the word's pairs
-    before and after, and keep what changed."""
-    before, after = _pair_counts(word), _pair_counts(merged)
-    return {p: freq * (after[p] - before[p]) for p in sorted(before | after) if after[p] != before[p]}
-
-
 def _merge_word_cases() -> list[tuple[tuple[list[int], int, Pair, int], tuple[list[int], Delta]]]:
     a = 97
     inputs: list[tuple[list[int], int, Pair, int]] = [
@@ -103,111 +89,46 @@ def _merge_word_cases() -> list[tuple[tuple[list[int], int, Pair, int], tuple[li
         ([a, a, a], 1, (a, a), 256),  # overlapping: replaced once, left to right
         ([a, a, a, a], 3, (a, a), 256),
         ([a, a, a, a, a], 1, (a, a), 256),
-        ([4, 5, 6], 2, (7, 8), 9),  # the pair is not in the word: nothing changes
         (list(" hello".encode()), 4, (108, 108), 300),
+        (list(" unmannerly".encode()), 2, (110, 110), 300),  # one site, far from both ends
+        ([4, 5, 6], 2, (7, 8), 9),  # the pair is not in the word: nothing changes
     ]
     cases = []
     for word, freq, pair, new_id in inputs:
         merged = _merge(word, pair, new_id)  # the package's merge: left to right, no overlaps
-        cases.append(((word, freq, pair, new_id), (merged, _delta(word, merged, freq))))
+        cases.append(((word, freq, pair, new_id), (merged, delta_of(word, merged, freq))))
     return cases
-
-
-def _sites(word: list[int], pair: Pair) -> list[int]:
-    """Where ``pair`` is replaced, scanning left to right without overlaps."""
-    sites, i = [], 0
-    while i + 1 < len(word):
-        if (word[i], word[i + 1]) == pair:
-            sites.append(i)
-            i += 2
-        else:
-            i += 1
-    return sites
-
-
-def _without_zeros(delta: dict[Pair, int]) -> Delta:
-    return {p: d for p, d in sorted(delta.items()) if d}
-
-
-def _no_neighbour_decrement(word: list[int], freq: int, pair: Pair, new_id: int) -> tuple[list[int], Delta]:
-    merged = _merge(word, pair, new_id)
-    delta: Counter[Pair] = Counter({pair: -freq * len(_sites(word, pair))})
-    for p, c in _pair_counts(merged).items():
-        if new_id in p:
-            delta[p] += freq * c
-    return merged, _without_zeros(delta)
-
-
-def _no_new_pairs(word: list[int], freq: int, pair: Pair, new_id: int) -> tuple[list[int], Delta]:
-    merged = _merge(word, pair, new_id)
-    return merged, {p: d for p, d in _delta(word, merged, freq).items() if d < 0}
-
-
-def _neighbours_from_original(word: list[int], freq: int, pair: Pair, new_id: int) -> tuple[list[int], Delta]:
-    delta: Counter[Pair] = Counter()
-    for s in _sites(word, pair):
-        delta[pair] -= freq
-        if s > 0:
-            delta[(word[s - 1], word[s])] -= freq
-            delta[(word[s - 1], new_id)] += freq
-        if s + 2 < len(word):
-            delta[(word[s + 1], word[s + 2])] -= freq
-            delta[(new_id, word[s + 2])] += freq
-    return _merge(word, pair, new_id), _without_zeros(delta)
-
-
-def _unweighted(word: list[int], freq: int, pair: Pair, new_id: int) -> tuple[list[int], Delta]:
-    merged = _merge(word, pair, new_id)
-    return merged, _delta(word, merged, 1)
-
-
-def _merged_pair_left_out(word: list[int], freq: int, pair: Pair, new_id: int) -> tuple[list[int], Delta]:
-    merged = _merge(word, pair, new_id)
-    delta = dict(_delta(word, merged, freq))
-    delta[pair] = delta.get(pair, 0) + freq * len(_sites(word, pair))
-    return merged, _without_zeros(delta)
-
-
-def _counted_as_sets(word: list[int], freq: int, pair: Pair, new_id: int) -> tuple[list[int], Delta]:
-    merged = _merge(word, pair, new_id)
-    before, after = set(zip(word, word[1:])), set(zip(merged, merged[1:]))
-    return merged, _without_zeros({p: freq * ((p in after) - (p in before)) for p in before | after})
-
-
-def _right_to_left(word: list[int], freq: int, pair: Pair, new_id: int) -> tuple[list[int], Delta]:
-    merged = _merge(word[::-1], pair[::-1], new_id)[::-1]
-    return merged, _delta(word, merged, freq)
 
 
 MERGE_WORD_MISTAKES = [
     Mistake(
-        _neighbours_from_original,
+        nb01_mistakes.neighbours_from_original,
         "you read the neighbours from the original word. Two merge sites can share a neighbour: in "
         "[a, a, a, a] (or [x, y, x, y] merging (x, y)) the second site's left neighbour is the *new* token "
         "of the first site. Take the left neighbour from the merged word you are building (out[-1]).",
     ),
     Mistake(
-        _no_neighbour_decrement,
+        nb01_mistakes.no_neighbour_decrement,
         "the neighbours' old pairs are not decremented: merging (a, b) in [x, a, b, y] removes (x, a) and "
         "(b, y) as well as (a, b).",
     ),
-    Mistake(_no_new_pairs, "the new pairs are never added: [x, a, b, y] -> [x, N, y] creates (x, N) and (N, y)."),
+    Mistake(nb01_mistakes.no_new_pairs, "the new pairs are never added: [x, a, b, y] -> [x, N, y] creates (x, N) and (N, y)."),
     Mistake(
-        _unweighted,
+        nb01_mistakes.unweighted,
         "each change must be multiplied by freq: the word stands for freq identical chunks of the corpus.",
     ),
     Mistake(
-        _merged_pair_left_out,
+        nb01_mistakes.merged_pair_left_out,
         "the merged pair's own count must drop too (by freq for every occurrence replaced). HF tokenizers' "
         "Word::merge leaves that to its trainer; here delta includes it.",
     ),
     Mistake(
-        _counted_as_sets,
+        nb01_mistakes.counted_as_sets,
         "a pair that occurs twice in a word counts twice: count with a Counter over zip(word, word[1:]), "
         "not with a set.",
     ),
     Mistake(
-        _right_to_left,
+        nb01_mistakes.right_to_left,
         "merge left to right, as training does: [a, a, a] with (a, a) becomes [N, a], not [a, N].",
     ),
 ]
@@ -231,11 +152,49 @@ def _normalised(fn: MergeWordFn) -> Callable[..., Any]:
         result = fn(list(word), freq, pair, new_id)
         if isinstance(result, tuple) and len(result) == 2 and hasattr(result[1], "items"):
             merged, delta = result
-            return merged, _without_zeros(dict(delta))
+            return merged, without_zeros(dict(delta))
         return result
 
     merge_word.__name__ = getattr(fn, "__name__", "merge_word")
     return merge_word
+
+
+class _Token(int):
+    """A token id that counts how often it is hashed: as part of a pair that becomes a key of a
+    dict, a Counter or a set, or is looked up in one. Equal to the int it stands for."""
+
+    def __hash__(self) -> int:
+        self.hashed = getattr(self, "hashed", 0) + 1
+        return int.__hash__(self)
+
+
+def _only_around_the_sites(fn: MergeWordFn) -> Callable[[Callable[..., Any], tuple[Any, ...]], str | None]:
+    """A rule: ``fn`` looks up only the pairs around the merge sites, never one far from all of them.
+
+    Only the pairs that hold a token of a merge site (positions s - 1 .. s + 2 for a site at s)
+    change; a token two places away from every site is in no changed pair, so an incremental update
+    never hashes it. A full recount (``Counter(zip(word, word[1:]))`` before and after, the code of
+    section 5's trainer) hashes every pair of the word: its values are right, its work is not."""
+
+    def rule(_: Callable[..., Any], args: tuple[Any, ...]) -> str | None:
+        word, freq, pair, new_id = args
+        tokens = [_Token(t) for t in word]
+        near = {p for s in sites(word, pair) for p in range(s - 1, s + 3)}
+        try:
+            fn(list(tokens), freq, pair, new_id)
+        except Exception:  # the values already passed; a rule only reports what it saw
+            return None
+        far = [i for i, t in enumerate(tokens) if i not in near and getattr(t, "hashed", 0)]
+        if not far:
+            return None
+        where = f"merging {pair} in {list(word)}, it looked up a pair holding {word[far[0]]} at position {far[0]}"
+        where += " (as a key of a dict, Counter or set)"
+        where += ", which no merge site touches" if near else " (the pair is not in the word: nothing changes)"
+        return (f"{where}: that is a full recount of the word's pairs (every old "
+                "pair subtracted, every new one added, as section 5's trainer does). The exercise is the "
+                "incremental update: walk the word once and change only the pairs around each merge site.")
+
+    return rule
 
 
 def train_with(merge_word: MergeWordFn, text: str, n_merges: int) -> list[Pair]:
@@ -273,11 +232,13 @@ def check_merge_word(fn: MergeWordFn, hint: int = 0) -> bool:
 
     ``merged`` is ``word`` with ``pair`` replaced by ``new_id`` (left to right, no overlaps);
     ``delta`` maps each pair whose count changes to the change, the word counting ``freq``
-    times. Once the cases pass, a trainer that updates its counts only through ``fn`` must learn
-    exactly ``minillm.train_bpe``'s merges."""
+    times. The values must come from the incremental update: ``fn`` may look up only the pairs
+    around the merge sites (a full recount of the word gives the same delta and is refused). Once
+    the cases pass, a trainer that updates its counts only through ``fn`` must learn exactly
+    ``minillm.train_bpe``'s merges."""
     learner = _normalised(fn)
     if not check("merge_word", learner, _merge_word_cases(), hint=hint, hints=MERGE_WORD_HINTS,
-                 mistakes=MERGE_WORD_MISTAKES):
+                 mistakes=MERGE_WORD_MISTAKES, rules=[_only_around_the_sites(fn)]):
         return False
     texts = [*TRAINING_TEXTS, _training_text()]
     cases = [((text, 120), train_bpe(text, 256 + 120, progress=False).merges) for text in texts]

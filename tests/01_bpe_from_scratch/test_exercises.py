@@ -6,7 +6,7 @@ from collections import Counter, defaultdict
 
 import pytest
 
-from minillm.exercises import nb01
+from minillm.exercises import nb01, nb01_mistakes
 
 
 def _merge(ids, pair, new_id):
@@ -46,15 +46,49 @@ def _merge_word_local(word, freq, pair, new_id):
     return out, dict(delta)
 
 
+def _merge_word_local_counter(word, freq, pair, new_id):
+    """The local update with a Counter for delta, and a scan by index: still only the sites' pairs."""
+    out, delta = [], Counter()
+    i = 0
+    while i < len(word):
+        if word[i : i + 2] == list(pair):
+            delta.update({pair: -freq})
+            if out:
+                delta.update({(out[-1], word[i]): -freq, (out[-1], new_id): freq})
+            if i + 2 < len(word):
+                delta.update({(word[i + 1], word[i + 2]): -freq, (new_id, word[i + 2]): freq})
+            out.append(new_id)
+            i += 2
+        else:
+            out.append(word[i])
+            i += 1
+    return out, delta
+
+
 def _merge_word_recount(word, freq, pair, new_id):
-    """Recounting the one word's pairs before and after is a right answer too."""
+    """Section 5's trainer on one word: subtract every old pair, add every new one. Right values,
+    the wrong mechanism (the exercise is the incremental update)."""
     merged = _merge(word, pair, new_id)
-    delta = Counter()
+    delta = defaultdict(int)
     for p in zip(word, word[1:]):
         delta[p] -= freq
     for p in zip(merged, merged[1:]):
         delta[p] += freq
-    return merged, delta
+    return merged, dict(delta)
+
+
+def _merge_word_counter_difference(word, freq, pair, new_id):
+    """The recount written as the difference of two Counters, zeros dropped: the delta is exact."""
+    merged = _merge(word, pair, new_id)
+    before, after = Counter(zip(word, word[1:])), Counter(zip(merged, merged[1:]))
+    return merged, {p: freq * (after[p] - before[p]) for p in before | after if after[p] != before[p]}
+
+
+def _merge_word_set_guard(word, freq, pair, new_id):
+    """The local update behind a whole-word membership test through a set: it hashes every pair."""
+    if pair not in set(zip(word, word[1:])):
+        return list(word), {}
+    return _merge_word_local(word, freq, pair, new_id)
 
 
 def _token_bytes(token_id, merges):
@@ -80,11 +114,11 @@ def _encode_bytes(data, merges):
     [
         (nb01.check_utf8_len, _utf8_len),
         (nb01.check_merge_word, _merge_word_local),
-        (nb01.check_merge_word, _merge_word_recount),
+        (nb01.check_merge_word, _merge_word_local_counter),
         (nb01.check_token_bytes, _token_bytes),
         (nb01.check_encode_bytes, _encode_bytes),
     ],
-    ids=["utf8_len", "merge_word-local", "merge_word-recount", "token_bytes", "encode_bytes"],
+    ids=["utf8_len", "merge_word-local", "merge_word-local-counter", "token_bytes", "encode_bytes"],
 )
 def test_right_answers_pass(capsys, check, answer):
     assert check(answer) is True
@@ -140,6 +174,26 @@ def _local_unweighted(word, freq, pair, new_id):
 def test_merge_word_mistakes_are_named(capsys, wrong, says):
     assert nb01.check_merge_word(wrong) is False
     assert says in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "recount",
+    [_merge_word_recount, _merge_word_counter_difference, _merge_word_set_guard, nb01_mistakes.full_recount],
+    ids=["defaultdict", "counter-difference", "set-guard", "nb01_mistakes.full_recount"],
+)
+def test_a_full_recount_is_named_though_its_values_are_right(capsys, recount):
+    assert nb01.check_merge_word(recount) is False
+    out = capsys.readouterr().out
+    assert "❌ merge_word: the values are right, but" in out
+    assert "that is a full recount of the word's pairs" in out
+    assert "training with merge_word" not in out  # it stops before training
+
+
+def test_the_full_recount_gives_the_right_values():
+    """What makes it a mechanism mistake: on every case its delta (zeros dropped) is the expected one."""
+    learner = nb01._normalised(_merge_word_recount)
+    for args, expected in nb01._merge_word_cases():
+        assert learner(*args) == expected
 
 
 @pytest.mark.parametrize(
