@@ -10,6 +10,7 @@ so a wrong answer of that kind is named.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -43,6 +44,9 @@ def _rms_cases() -> list[tuple[tuple[torch.Tensor, torch.Tensor, float], torch.T
         ((torch.randn(4, 576, generator=g) * 50).to(torch.bfloat16),
          (1 + torch.randn(576, generator=g)).to(torch.bfloat16), 1e-5),
         (torch.zeros(1, 16), torch.ones(16), 1e-6),  # eps keeps 0 / 0 away
+        # a small RMS, where eps matters: inside the root, sqrt(1e-6 + 1e-5) ≈ 3.3e-3, not 1e-3 + 1e-5
+        (torch.randn(3, 64, generator=g) * 1e-3, 1 + torch.randn(64, generator=g), 1e-5),
+        ((torch.randn(2, 64, generator=g) * 1e-2).half(), torch.ones(64, dtype=torch.float16), 1e-4),
     ]
     return [((x, w, eps), _rms_reference(x, w, eps)) for x, w, eps in inputs]
 
@@ -80,6 +84,11 @@ def _rms_no_gain(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
+def _rms_eps_outside(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return weight * (x32 / (x32.pow(2).mean(-1, keepdim=True).sqrt() + eps)).to(x.dtype)
+
+
 RMS_MISTAKES = [
     Mistake(_rms_naive, "the mean of squares is computed in x's own dtype: in float16, 300² overflows to inf and "
                         "the vector collapses to zeros. Compute the statistic on x.float()."),
@@ -89,6 +98,9 @@ RMS_MISTAKES = [
     Mistake(_rms_wrong_axis, "the statistic is per token vector: take the mean over the last dimension (dim=-1, "
                              "keepdim=True), not over the batch."),
     Mistake(_rms_no_gain, "the learned gain is missing: multiply by weight at the end."),
+    Mistake(_rms_eps_outside, "eps is outside the square root: x / (sqrt(mean(x²)) + eps) is another function, "
+                              "far off when the RMS is small (here 1e-3 against eps 1e-5). RMSNorm adds eps to the "
+                              "mean of squares, then takes the root: x * rsqrt(mean(x²) + eps)."),
 ]
 
 RMS_HINTS = [
@@ -359,12 +371,28 @@ FORWARD_HINTS = [
 
 
 def _assembled_from_pieces(fn: Callable[..., Any], args: tuple[Any, ...]) -> str | None:
-    """A rule: the forward must not call the whole model or a whole Block (their hooks tell)."""
+    """A rule: the forward must not run the model's own forward or a whole Block's, however it is
+    called (``model(ids)``, ``layer(x, ...)``, ``layer.forward(...)``, ``Block.forward(layer, ...)``).
+    Hooks on ``model`` and ``layer`` would miss ``.forward``, which skips them; so each piece's hook
+    looks at the Python stack for a running ``Block.forward`` or ``Transformer.forward``/``run``."""
     model = args[0]
+    whole = {type(model).forward.__code__: "the model's own forward (model(ids) or model.forward)",
+             type(model).run.__code__: "the model's own forward (model.run)"}
+    whole |= {type(layer).forward.__code__: "a whole Block's forward (layer(x, ...) or layer.forward(...))"
+              for layer in model.layers}
     called: list[str] = []
-    hooks = [model.register_forward_pre_hook(lambda m, a: called.append("the model itself (model(ids))"))]
-    hooks += [layer.register_forward_pre_hook(lambda m, a: called.append("a whole Block (layer(x, ...))"))
-              for layer in model.layers]
+
+    def look(module: torch.nn.Module, inputs: Any) -> None:
+        frame = sys._getframe(1)
+        while frame is not None and not called:
+            if frame.f_code in whole:
+                called.append(whole[frame.f_code])
+            frame = frame.f_back
+
+    pieces = [model.embed_tokens, model.norm, model.lm_head]
+    pieces += [piece for layer in model.layers
+               for piece in (layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm, layer.mlp)]
+    hooks = [piece.register_forward_pre_hook(look) for piece in pieces]
     try:
         with torch.no_grad():
             fn(*args)
@@ -374,7 +402,7 @@ def _assembled_from_pieces(fn: Callable[..., Any], args: tuple[Any, ...]) -> str
         for hook in hooks:
             hook.remove()
     if called:
-        return f"it calls {called[0]}: assemble the block from its pieces (norms, self_attn, mlp) and residuals."
+        return f"it runs {called[0]}: assemble the block from its pieces (norms, self_attn, mlp) and residuals."
     return None
 
 

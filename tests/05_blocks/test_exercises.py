@@ -29,8 +29,12 @@ def test_rms_norm_right_answer_passes(capsys):
         (lambda x, w, eps: w.float() * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)),
          "cast the normalized vector back"),
         (lambda x, w, eps: _rms_right(x - x.mean(-1, keepdim=True), w, eps), "that is LayerNorm"),
+        (lambda x, w, eps: w * (x.float() / (x.float().pow(2).mean(-1, keepdim=True).sqrt() + eps)).to(x.dtype),
+         "eps is outside the square root"),
+        (lambda x, w, eps: w * (x.float() * (x.float().square().mean(-1, keepdim=True).sqrt() + eps).reciprocal())
+         .to(x.dtype), "eps is outside the square root"),
     ],
-    ids=["no-upcast", "stays-float32", "layernorm"],
+    ids=["no-upcast", "stays-float32", "layernorm", "eps-outside-sqrt", "eps-outside-rsqrt-form"],
 )
 def test_rms_norm_mistakes_are_named(capsys, wrong, says):
     assert nb05.check_rms_norm_mixed(wrong) is False
@@ -180,10 +184,39 @@ def _whole_blocks(model, ids):
     return model.lm_head(model.norm(x))
 
 
+def _whole_blocks_by_forward(model, ids):
+    """Block.forward called directly: the hooks on the Block never run, the ones on its pieces do."""
+    seq = ids.shape[1]
+    cos, sin = model.rotary(torch.arange(seq)[None], torch.float32)
+    mask = nb05.build_mask(None, seq, seq, ids.device)
+    x = model.embed_tokens(ids)
+    for layer in model.layers:
+        x = layer.forward(x, cos, sin, mask)
+    return model.lm_head(model.norm(x))
+
+
+def _whole_blocks_by_class(model, ids):
+    seq = ids.shape[1]
+    cos, sin = model.rotary(torch.arange(seq)[None], torch.float32)
+    mask = nb05.build_mask(None, seq, seq, ids.device)
+    x = model.embed_tokens(ids)
+    for layer in model.layers:
+        x = type(layer).forward(layer, x, cos, sin, mask)
+    return model.lm_head(model.norm(x))
+
+
 @pytest.mark.parametrize(
     "shortcut, says",
-    [(lambda model, ids: model(ids), "the model itself"), (_whole_blocks, "a whole Block")],
-    ids=["model(ids)", "whole-block"],
+    [
+        (lambda model, ids: model(ids), "the model's own forward"),
+        (lambda model, ids: model.forward(ids), "the model's own forward"),
+        (lambda model, ids: model.run(ids, torch.arange(ids.shape[1])[None], nb05.build_mask(
+            None, ids.shape[1], ids.shape[1], ids.device)), "the model's own forward"),
+        (_whole_blocks, "a whole Block"),
+        (_whole_blocks_by_forward, "a whole Block"),
+        (_whole_blocks_by_class, "a whole Block"),
+    ],
+    ids=["model(ids)", "model.forward", "model.run", "whole-block", "block.forward", "Block.forward(layer)"],
 )
 def test_forward_must_be_assembled_from_pieces(capsys, shortcut, says):
     assert nb05.check_forward(shortcut) is False
