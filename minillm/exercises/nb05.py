@@ -1,29 +1,50 @@
-"""Exercises of notebook 05 (blocks): RMSNorm in half precision, Llama's FFN width rule, counting
-parameters, and the core one — the full forward assembled from the blocks' pieces.
+"""Exercises of notebook 05 (blocks): RMSNorm in half precision, the attention forward, a pre-norm
+block, and the core one — the full forward assembled from the blocks' pieces.
 
-The expected answers come from the package (``minillm.model.layers.RMSNorm``, a ``Transformer``
-built on PyTorch's ``meta`` device, ``Transformer.forward``) or, for the FFN widths, from the
-published configs; each classic mistake is written out as the function a learner would write,
-so a wrong answer of that kind is named.
+The expected answers come from the package (``minillm.model.layers.RMSNorm``, ``Attention``,
+``Block`` and ``Transformer`` of ``minillm.model``, on small random models); each classic mistake
+is written out as the function a learner would write (``nb05_mistakes``), so a wrong answer of
+that kind is named. Rules look at how an answer was computed: running the package's own
+``Attention``, ``Block`` or ``Transformer`` forward inside it does not count.
 """
 
 from __future__ import annotations
 
-import math
 import sys
 from collections.abc import Callable
+from types import CodeType
 from typing import Any
 
 import torch
 
-from minillm.exercises import Mistake, check
-from minillm.model.attention import build_mask
+from minillm.exercises import Mistake, Rule, check
+from minillm.exercises.nb05_mistakes import (
+    AttentionFn,
+    BlockFn,
+    ForwardFn,
+    attention_with,
+    forward_with,
+    no_attn_residual,
+    no_mlp_residual,
+    normed_stream,
+    one_norm,
+    parallel,
+    post_norm,
+    pre_norm,
+    rms_centred,
+    rms_eps_outside,
+    rms_naive,
+    rms_no_gain,
+    rms_stays_float32,
+    rms_wrong_axis,
+)
+from minillm.model.attention import Attention, build_mask
 from minillm.model.config import ModelConfig
 from minillm.model.layers import RMSNorm
 from minillm.model.llama import Block, Transformer
+from minillm.model.rope import RotaryEmbedding
 
 RmsNormFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
-ForwardFn = Callable[[Transformer, torch.Tensor], torch.Tensor]
 
 # --- exercise 1: RMSNorm that survives half precision ---------------------------------------------
 
@@ -59,46 +80,16 @@ def _same_in_dtype(got: Any, want: torch.Tensor) -> bool:
     )
 
 
-def _rms_naive(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
-
-
-def _rms_stays_float32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x32 = x.float()
-    return weight.float() * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps))
-
-
-def _rms_centred(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x32 = x.float()
-    x32 = x32 - x32.mean(-1, keepdim=True)
-    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-def _rms_wrong_axis(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x32 = x.float()
-    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(0, keepdim=True) + eps)).to(x.dtype)
-
-
-def _rms_no_gain(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x32 = x.float()
-    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-def _rms_eps_outside(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x32 = x.float()
-    return weight * (x32 / (x32.pow(2).mean(-1, keepdim=True).sqrt() + eps)).to(x.dtype)
-
-
 RMS_MISTAKES = [
-    Mistake(_rms_naive, "the mean of squares is computed in x's own dtype: in float16, 300² overflows to inf and "
+    Mistake(rms_naive, "the mean of squares is computed in x's own dtype: in float16, 300² overflows to inf and "
                         "the vector collapses to zeros. Compute the statistic on x.float()."),
-    Mistake(_rms_stays_float32, "the result stays float32: cast the normalized vector back with .to(x.dtype) "
+    Mistake(rms_stays_float32, "the result stays float32: cast the normalized vector back with .to(x.dtype) "
                                 "(then multiply by weight), so the next matrix gets the dtype it expects."),
-    Mistake(_rms_centred, "you subtracted the mean: that is LayerNorm. RMSNorm only divides by the root mean square."),
-    Mistake(_rms_wrong_axis, "the statistic is per token vector: take the mean over the last dimension (dim=-1, "
+    Mistake(rms_centred, "you subtracted the mean: that is LayerNorm. RMSNorm only divides by the root mean square."),
+    Mistake(rms_wrong_axis, "the statistic is per token vector: take the mean over the last dimension (dim=-1, "
                              "keepdim=True), not over the batch."),
-    Mistake(_rms_no_gain, "the learned gain is missing: multiply by weight at the end."),
-    Mistake(_rms_eps_outside, "eps is outside the square root: x / (sqrt(mean(x²)) + eps) is another function, "
+    Mistake(rms_no_gain, "the learned gain is missing: multiply by weight at the end."),
+    Mistake(rms_eps_outside, "eps is outside the square root: x / (sqrt(mean(x²)) + eps) is another function, "
                               "far off when the RMS is small (here 1e-3 against eps 1e-5). RMSNorm adds eps to the "
                               "mean of squares, then takes the root: x * rsqrt(mean(x²) + eps)."),
 ]
@@ -116,7 +107,7 @@ def check_rms_norm_mixed(fn: RmsNormFn, hint: int = 0) -> bool:
                  mistakes=RMS_MISTAKES)
 
 
-# --- exercise 2: Llama's FFN width rule ----------------------------------------------------------
+# --- section 2's table: the published FFN widths ------------------------------------------------------
 
 # (d_model, multiple_of, ffn_dim_multiplier) -> the published intermediate_size (each model's
 # config.json). multiple_of and the multiplier are Meta's params.json for the Llamas; SmolLM2 and
@@ -133,110 +124,7 @@ PUBLISHED_FFN = {
 }
 
 
-def _ffn_no_round(d: int, multiple_of: int, mult: float | None = None) -> int:
-    h = int(2 * 4 * d / 3)
-    return int(mult * h) if mult is not None else h
-
-
-def _ffn_round_down(d: int, multiple_of: int, mult: float | None = None) -> int:
-    return multiple_of * (_ffn_no_round(d, multiple_of, mult) // multiple_of)
-
-
-def _ffn_no_multiplier(d: int, multiple_of: int, mult: float | None = None) -> int:
-    return multiple_of * math.ceil(int(2 * 4 * d / 3) / multiple_of)
-
-
-def _ffn_four_d(d: int, multiple_of: int, mult: float | None = None) -> int:
-    h = int(mult * 4 * d) if mult is not None else 4 * d
-    return multiple_of * math.ceil(h / multiple_of)
-
-
-FFN_MISTAKES = [  # the multiplier first: on Llama-2-70B, ignoring it and rounding down give the same number
-    Mistake(_ffn_no_multiplier,
-            "ffn_dim_multiplier is ignored: when given, multiply by it (and truncate) before rounding."),
-    Mistake(_ffn_no_round, "that is the width before rounding: round it up to a multiple of multiple_of."),
-    Mistake(_ffn_round_down,
-            "you rounded down (or to the nearest multiple): Llama rounds *up*, to the next multiple of multiple_of."),
-    Mistake(_ffn_four_d, "you started from 4d: SwiGLU's three matrices take two thirds of it, int(2 * 4 * d / 3)."),
-]
-
-FFN_HINTS = [
-    "Three steps: two thirds of 4d, the optional multiplier, then round up to a multiple of multiple_of.",
-    "h = int(2 * 4 * d_model / 3); if ffn_dim_multiplier is not None: h = int(ffn_dim_multiplier * h).",
-    "return multiple_of * ((h + multiple_of - 1) // multiple_of)  # ceil(h / multiple_of) in integers",
-]
-
-
-def check_ffn_width(fn: Callable[..., int], hint: int = 0) -> bool:
-    """``fn(d_model, multiple_of, ffn_dim_multiplier=None)`` -> the SwiGLU width of Meta's Llama code."""
-    return check("ffn_width", fn, list(PUBLISHED_FFN.values()), hint=hint, hints=FFN_HINTS, mistakes=FFN_MISTAKES)
-
-
-# --- exercise 3: count the parameters of any config ----------------------------------------------
-
-PARAM_CONFIGS = {
-    "SmolLM2-135M": ModelConfig(vocab_size=49152, hidden_size=576, n_layers=30, n_heads=9, n_kv_heads=3,
-                                intermediate_size=1536, tie_word_embeddings=True),
-    "tiny, untied": ModelConfig(vocab_size=1000, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=4,
-                                intermediate_size=172),
-    "TinyLlama-1.1B": ModelConfig(vocab_size=32000, hidden_size=2048, n_layers=22, n_heads=32, n_kv_heads=4,
-                                  intermediate_size=5632),
-    "Qwen2.5-0.5B": ModelConfig(vocab_size=151936, hidden_size=896, n_layers=24, n_heads=14, n_kv_heads=2,
-                                intermediate_size=4864, tie_word_embeddings=True, attention_bias=True,
-                                architecture="qwen2"),
-}
-
-
-def true_param_count(cfg: ModelConfig) -> int:
-    """``sum(p.numel() for p in Transformer(cfg).parameters())``, built on the meta device (no memory)."""
-    with torch.device("meta"):
-        return sum(p.numel() for p in Transformer(cfg).parameters())
-
-
-def _params(cfg: ModelConfig, *, kv_full: bool = False, tied_twice: bool = False, norms: bool = True,
-            final_norm: bool = True, biases: str = "qkv") -> int:
-    d, q_out = cfg.hidden_size, cfg.n_heads * cfg.head_dim
-    kv_out = q_out if kv_full else cfg.n_kv_heads * cfg.head_dim
-    per_block = 2 * d * q_out + 2 * d * kv_out + 3 * d * cfg.intermediate_size + (2 * d if norms else 0)
-    if cfg.attention_bias:
-        per_block += {"qkv": q_out + 2 * kv_out, "none": 0, "qkvo": q_out + 2 * kv_out + d}[biases]
-    heads = 2 if tied_twice or not cfg.tie_word_embeddings else 1
-    return heads * cfg.vocab_size * d + cfg.n_layers * per_block + (d if final_norm else 0)
-
-
-def _params_rule(cfg: ModelConfig) -> int:
-    embeddings = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
-    return 12 * cfg.n_layers * cfg.hidden_size**2 + embeddings
-
-
-PARAM_MISTAKES = [
-    Mistake(lambda c: _params(c, kv_full=True),
-            "k_proj and v_proj are d × (n_kv_heads · head_dim), not d × d: grouped-query attention shares "
-            "each K/V head among n_heads // n_kv_heads queries."),
-    Mistake(lambda c: _params(c, tied_twice=True), "a tied LM head is the embedding matrix itself: count it once "
-                                                    "(as model.parameters() does; the state dict lists it twice)."),
-    Mistake(lambda c: _params(c, norms=False), "the two RMSNorm gains of each block (d each) are missing."),
-    Mistake(lambda c: _params(c, final_norm=False), "the final norm's gain (d) before the LM head is missing."),
-    Mistake(lambda c: _params(c, biases="none"), "Qwen2's q, k and v projections have biases (cfg.attention_bias)."),
-    Mistake(lambda c: _params(c, biases="qkvo"), "o_proj has no bias, even when cfg.attention_bias is set."),
-    Mistake(_params_rule, "that is the 12·L·d² rule: count the real shapes (GQA, SwiGLU width, norms)."),
-]
-
-PARAM_HINTS = [
-    "Sum the shapes of one block, times n_layers, plus the embeddings, the final norm and (if untied) the LM head.",
-    "Per block: q and o are d × (n_heads·head_dim); k and v are d × (n_kv_heads·head_dim); "
-    "the FFN is 3·d·intermediate; two norms of d. Biases add n_heads·head_dim + 2·n_kv_heads·head_dim.",
-    "embeddings = vocab·d · (1 if tied else 2); return embeddings + n_layers · per_block + d",
-]
-
-
-def check_count_params(fn: Callable[[ModelConfig], int], hint: int = 0) -> bool:
-    """``fn(cfg)`` -> what ``sum(p.numel() for p in Transformer(cfg).parameters())`` would return."""
-    cases = [((c,), true_param_count(c)) for c in PARAM_CONFIGS.values()]
-    return check("count_params", fn, cases, hint=hint, hints=PARAM_HINTS, mistakes=PARAM_MISTAKES)
-
-
-# --- exercise 4 (the core): the full forward assembled from the blocks ----------------------------
+# --- the small random models the checks run --------------------------------------------------------
 
 
 class TinyModel(Transformer):
@@ -279,84 +167,207 @@ def _forward_cases() -> list[tuple[tuple[TinyModel, torch.Tensor], torch.Tensor]
     return cases
 
 
-def _tables(model: Transformer, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    seq = ids.shape[1]
-    cos, sin = model.rotary(torch.arange(seq)[None], torch.float32)
-    return cos, sin, build_mask(None, seq, seq, ids.device)
+def _no_package_forward(pieces: Callable[[tuple[Any, ...]], list[torch.nn.Module]],
+                        whole: Callable[[tuple[Any, ...]], dict[CodeType, str]], advice: str) -> Rule:
+    """A rule: the learner's function must not run one of the package's own forwards (``whole``:
+    its code -> what to call it), however it is called: ``module(...)``, ``module.forward(...)``,
+    ``Class.forward(module, ...)``. Hooks on the module itself would miss ``.forward``, which skips
+    them; so a pre-hook on each of its ``pieces`` looks at the Python stack for a running one."""
+
+    def rule(fn: Callable[..., Any], args: tuple[Any, ...]) -> str | None:
+        codes, called = whole(args), []
+
+        def look(module: torch.nn.Module, inputs: Any) -> None:
+            frame = sys._getframe(1)
+            while frame is not None and not called:
+                if frame.f_code in codes:
+                    called.append(codes[frame.f_code])
+                frame = frame.f_back
+
+        hooks = [piece.register_forward_pre_hook(look) for piece in pieces(args)]
+        try:
+            with torch.no_grad():
+                fn(*args)
+        except Exception:  # the values already passed; a rule only reports what it saw
+            return None
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return f"it runs {called[0]}: {advice}" if called else None
+
+    return rule
 
 
-BlockFn = Callable[[Block, torch.Tensor, torch.Tensor, torch.Tensor, Any], torch.Tensor]
+# --- exercise 2: the attention forward ----------------------------------------------------------------
 
 
-def _forward_with(block: BlockFn, final_norm: bool = True, tied_head: bool = False, masked: bool = True) -> ForwardFn:
-    """A whole forward that runs ``block`` for every layer (the wrong variants differ in one place)."""
+class TinyAttention(Attention):
+    """A randomly initialized ``Attention`` (a ``layer.self_attn``), with a short name in the checks."""
 
-    def forward(model: Transformer, ids: torch.Tensor) -> torch.Tensor:
-        cos, sin, mask = _tables(model, ids)
-        x = model.embed_tokens(ids)
-        for layer in model.layers:
-            x = block(layer, x, cos, sin, mask if masked else None)
-        if final_norm:
-            x = model.norm(x)
-        return x @ model.embed_tokens.weight.T if tied_head else model.lm_head(x)
-
-    return forward
+    def __repr__(self) -> str:
+        bias = ", biases" if self.q_proj.bias is not None else ""
+        return f"TinyAttention({self.n_heads} q / {self.n_kv_heads} kv heads of {self.head_dim}{bias})"
 
 
-def _pre_norm(layer: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Any) -> torch.Tensor:
-    x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, mask)
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+# GQA with 2 groups, plain multi-head, and 3 groups with Qwen2's q/k/v biases
+ATTENTION_CONFIGS = [
+    (TINY_CONFIGS[0], 1, 6),
+    (TINY_CONFIGS[1], 2, 5),
+    (ModelConfig(vocab_size=10, hidden_size=48, n_layers=1, n_heads=6, n_kv_heads=2, intermediate_size=64,
+                 attention_bias=True), 1, 7),
+]
 
 
-def _post_norm(layer: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Any) -> torch.Tensor:
-    x = layer.input_layernorm(x + layer.self_attn(x, cos, sin, mask))
-    return layer.post_attention_layernorm(x + layer.mlp(x))
+def _rope_and_mask(cfg: ModelConfig, seq: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rotary tables (cos, sin) of positions 0 .. seq-1 and the causal mask, as the model builds them."""
+    rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+    return (*rotary(torch.arange(seq)[None], torch.float32), build_mask(None, seq, seq, torch.device("cpu")))
 
 
-def _normed_stream(layer: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Any) -> torch.Tensor:
-    x = layer.input_layernorm(x)
-    x = x + layer.self_attn(x, cos, sin, mask)
-    x = layer.post_attention_layernorm(x)
-    return x + layer.mlp(x)
+def _attention_cases() -> list[tuple[tuple[Any, ...], torch.Tensor]]:
+    cases = []
+    for seed, (cfg, batch, seq) in enumerate(ATTENTION_CONFIGS):
+        with torch.random.fork_rng():  # leave the notebook's random state alone
+            torch.manual_seed(10 + seed)
+            attn = TinyAttention(cfg).eval()
+            x = torch.randn(batch, seq, cfg.hidden_size)
+        cos, sin, mask = _rope_and_mask(cfg, seq)
+        with torch.no_grad():
+            cases.append(((attn, x, cos, sin, mask), attn(x, cos, sin, mask)))
+    return cases
 
 
-def _no_attn_residual(layer: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Any) -> torch.Tensor:
-    x = layer.self_attn(layer.input_layernorm(x), cos, sin, mask)
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+ATTENTION_MISTAKES = [
+    Mistake(attention_with(rope=""), "there is no RoPE: rotate q and k with apply_rope(t, cos, sin) once the heads "
+                                     "are split; without it the scores cannot tell positions apart."),
+    Mistake(attention_with(rope="qkv"), "RoPE is applied to v too: only q and k are rotated (positions matter in "
+                                        "the scores q·k); the values are mixed as they are."),
+    Mistake(attention_with(rope="q"), "only q is rotated: rotate k as well, so that q·k depends on the distance "
+                                      "between the two positions."),
+    Mistake(attention_with(rope="k"), "only k is rotated: rotate q as well, so that q·k depends on the distance "
+                                      "between the two positions."),
+    Mistake(attention_with(kv_heads="tiled"), "the KV heads are repeated in the wrong order: query head h reads KV "
+            "head h // groups (heads 0, 1 share KV head 0), so repeat each KV head in place (repeat_kv, or "
+            "repeat_interleave(groups, dim=1)); k.repeat(1, groups, 1, 1) tiles them 0, 1, 0, 1."),
+    Mistake(attention_with(scaled=False), "the scores are not divided by sqrt(head_dim)."),
+    Mistake(attention_with(masked=False), "the mask is not applied: every token sees the future."),
+    Mistake(attention_with(split="view"), "the heads are split the wrong way: view the projection as [batch, seq, "
+            "heads, head_dim], then transpose(1, 2); reshaping straight to [batch, heads, seq, head_dim] mixes "
+            "tokens and heads."),
+    Mistake(attention_with(merge="view"), "the heads are merged the wrong way: transpose the output back to "
+            "[batch, seq, heads, head_dim] before reshaping to [batch, seq, heads · head_dim]."),
+    Mistake(attention_with(o_proj=False), "o_proj is missing: the heads' outputs, side by side, go through "
+                                          "attn.o_proj."),
+    Mistake(attention_with(bias=False), "the projections' biases are missing (this model has attention_bias, as "
+            "Qwen2 does): call the modules, attn.q_proj(x), rather than multiplying by their weight."),
+]
+
+ATTENTION_HINTS = [
+    "Project x with attn.q_proj, attn.k_proj, attn.v_proj; split each into heads, [batch, heads, seq, head_dim]; "
+    "rotate q and k (not v) with apply_rope(t, cos, sin); let each KV head serve its group of query heads; "
+    "attend; put the heads side by side again and apply attn.o_proj.",
+    "q = attn.q_proj(x).view(batch, seq, attn.n_heads, attn.head_dim).transpose(1, 2), k and v with "
+    "attn.n_kv_heads. groups = n_heads // n_kv_heads consecutive query heads share a KV head: repeat_kv(k, groups). "
+    "Then softmax(q k^T / sqrt(head_dim), masked) v, or F.scaled_dot_product_attention(q, k, v, attn_mask=mask).",
+    "q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin); k, v = repeat_kv(k, g), repeat_kv(v, g); "
+    "out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask); "
+    "return attn.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))",
+]
+
+NOT_THE_PACKAGE_ATTENTION = _no_package_forward(
+    lambda args: [args[0].q_proj, args[0].k_proj, args[0].v_proj, args[0].o_proj],
+    lambda args: {type(args[0]).forward.__code__: "the package's attention (attn(x, ...) or attn.forward(...))"},
+    "write it from the pieces: the projections, RoPE, the attention itself and o_proj.",
+)
 
 
-def _no_mlp_residual(layer: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Any) -> torch.Tensor:
-    x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, mask)
-    return layer.mlp(layer.post_attention_layernorm(x))
+def check_attention(fn: AttentionFn, hint: int = 0) -> bool:
+    """``fn(attn, x [batch, seq, hidden], cos, sin, mask)`` -> ``[batch, seq, hidden]``: the forward of
+    ``attn`` (a ``minillm.model.attention.Attention``) written from its projections, checked against
+    it on grouped-query, multi-head and biased layers."""
+    with torch.no_grad():
+        return check("attention_forward", fn, _attention_cases(), hint=hint, hints=ATTENTION_HINTS,
+                     mistakes=ATTENTION_MISTAKES, rules=[NOT_THE_PACKAGE_ATTENTION])
 
 
-def _one_norm(layer: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Any) -> torch.Tensor:
-    x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, mask)
-    return x + layer.mlp(layer.input_layernorm(x))
+# --- exercise 3: the pre-norm block -------------------------------------------------------------------
 
 
-def _parallel(layer: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Any) -> torch.Tensor:
-    return x + layer.self_attn(layer.input_layernorm(x), cos, sin, mask) + layer.mlp(layer.post_attention_layernorm(x))
+class TinyBlock(Block):
+    """A randomly initialized ``Block`` (one of ``model.layers``), with a short name in the checks."""
+
+    def __repr__(self) -> str:
+        a = self.self_attn
+        return f"TinyBlock({a.n_heads} q / {a.n_kv_heads} kv heads of {a.head_dim})"
+
+
+def _block_cases() -> list[tuple[tuple[Any, ...], torch.Tensor]]:
+    cases = []
+    for seed, (cfg, batch, seq) in enumerate(ATTENTION_CONFIGS[:2]):
+        with torch.random.fork_rng():
+            torch.manual_seed(20 + seed)
+            layer = TinyBlock(cfg, 0).eval()
+            with torch.no_grad():
+                for name, p in layer.named_parameters():
+                    if "norm" in name:
+                        p.copy_(1 + 0.5 * torch.randn_like(p))
+            x = 3 * torch.randn(batch, seq, cfg.hidden_size)  # a stream with a scale of its own
+        cos, sin, mask = _rope_and_mask(cfg, seq)
+        with torch.no_grad():
+            cases.append(((layer, x, cos, sin, mask), layer(x, cos, sin, mask)))
+    return cases
+
+
+POST_NORM = ("that is post-norm (2017): Llama normalizes each sub-layer's *input*, x = x + attn(norm(x)), and "
+             "never the sum.")
+NORMED_STREAM = ("the norm is applied to the residual stream itself (x = norm(x)): the sub-layer must read a "
+                 "normalized *copy* while x keeps its scale.")
+NO_ATTN_RESIDUAL = "the attention residual is missing: add its output to x (x = x + attn(...)) instead of replacing x."
+NO_MLP_RESIDUAL = "the FFN residual is missing: x = x + mlp(post_attention_layernorm(x))."
+ONE_NORM = "the FFN reads input_layernorm: each sub-layer has its own norm (post_attention_layernorm before the MLP)."
+PARALLEL = ("attention and FFN both read the block's input (a 'parallel' block, as in GPT-J): in Llama the FFN "
+            "reads the stream *after* the attention update.")
+
+BLOCK_MISTAKES = [Mistake(wrong, message) for wrong, message in [
+    (post_norm, POST_NORM), (normed_stream, NORMED_STREAM), (no_attn_residual, NO_ATTN_RESIDUAL),
+    (no_mlp_residual, NO_MLP_RESIDUAL), (one_norm, ONE_NORM), (parallel, PARALLEL)]]
+
+BLOCK_HINTS = [
+    "Two sub-layers, each reading a normalized copy of the stream x and *adding* its output to x: attention "
+    "(after layer.input_layernorm), then the MLP (after layer.post_attention_layernorm).",
+    "h = layer.input_layernorm(x); x = x + attention_forward(layer.self_attn, h, cos, sin, mask) (or "
+    "layer.self_attn(h, cos, sin, mask)); then the same with post_attention_layernorm and layer.mlp.",
+    "x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, mask); "
+    "return x + layer.mlp(layer.post_attention_layernorm(x))",
+]
+
+NOT_A_WHOLE_BLOCK = _no_package_forward(
+    lambda args: [args[0].input_layernorm, args[0].self_attn, args[0].self_attn.q_proj,
+                  args[0].post_attention_layernorm, args[0].mlp],
+    lambda args: {type(args[0]).forward.__code__: "the Block's own forward (layer(x, ...) or layer.forward(...))"},
+    "assemble the block from its pieces (norms, attention, mlp) and residuals.",
+)
+
+
+def check_block(fn: BlockFn, hint: int = 0) -> bool:
+    """``fn(layer, x [batch, seq, hidden], cos, sin, mask)`` -> the stream after ``layer`` (a
+    ``minillm.model.llama.Block``), assembled from its pieces, checked against ``Block.forward``."""
+    with torch.no_grad():
+        return check("pre_norm_block", fn, _block_cases(), hint=hint, hints=BLOCK_HINTS, mistakes=BLOCK_MISTAKES,
+                     rules=[NOT_A_WHOLE_BLOCK])
+
+
+# --- exercise 4 (the core): the full forward assembled from the blocks ----------------------------
 
 
 FORWARD_MISTAKES = [
-    Mistake(_forward_with(_post_norm), "that is post-norm (2017): Llama normalizes each sub-layer's *input*, "
-                                        "x = x + attn(norm(x)), and never the sum."),
-    Mistake(_forward_with(_normed_stream), "the norm is applied to the residual stream itself (x = norm(x)): the "
-                                            "sub-layer must read a normalized *copy* while x keeps its scale."),
-    Mistake(_forward_with(_no_attn_residual), "the attention residual is missing: add its output to x "
-                                               "(x = x + attn(...)) instead of replacing x."),
-    Mistake(_forward_with(_no_mlp_residual), "the FFN residual is missing: x = x + mlp(post_attention_layernorm(x))."),
-    Mistake(_forward_with(_one_norm), "the FFN reads input_layernorm: each sub-layer has its own norm "
-                                       "(post_attention_layernorm before the MLP)."),
-    Mistake(_forward_with(_parallel), "attention and FFN both read the block's input (a 'parallel' block, as in "
-                                       "GPT-J): in Llama the FFN reads the stream *after* the attention update."),
-    Mistake(_forward_with(_pre_norm, final_norm=False), "the final norm is missing: model.norm(x) before the LM head."),
-    Mistake(_forward_with(_pre_norm, tied_head=True),
+    *[Mistake(forward_with(m.wrong), m.message) for m in BLOCK_MISTAKES],
+    Mistake(forward_with(pre_norm, final_norm=False), "the final norm is missing: model.norm(x) before the LM head."),
+    Mistake(forward_with(pre_norm, tied_head=True),
             "you used the embedding matrix as the LM head; this model is untied: use model.lm_head "
             "(it is the embedding only when tied)."),
-    Mistake(_forward_with(_pre_norm, masked=False), "the attention got mask=None: every token sees the future. "
-                                                    "Pass the causal mask."),
+    Mistake(forward_with(pre_norm, masked=False), "the attention got mask=None: every token sees the future. "
+                                                  "Pass the causal mask."),
 ]
 
 FORWARD_HINTS = [
@@ -370,40 +381,21 @@ FORWARD_HINTS = [
 ]
 
 
-def _assembled_from_pieces(fn: Callable[..., Any], args: tuple[Any, ...]) -> str | None:
-    """A rule: the forward must not run the model's own forward or a whole Block's, however it is
-    called (``model(ids)``, ``layer(x, ...)``, ``layer.forward(...)``, ``Block.forward(layer, ...)``).
-    Hooks on ``model`` and ``layer`` would miss ``.forward``, which skips them; so each piece's hook
-    looks at the Python stack for a running ``Block.forward`` or ``Transformer.forward``/``run``."""
+def _whole_forwards(args: tuple[Any, ...]) -> dict[CodeType, str]:
     model = args[0]
     whole = {type(model).forward.__code__: "the model's own forward (model(ids) or model.forward)",
              type(model).run.__code__: "the model's own forward (model.run)"}
-    whole |= {type(layer).forward.__code__: "a whole Block's forward (layer(x, ...) or layer.forward(...))"
-              for layer in model.layers}
-    called: list[str] = []
+    return whole | {type(layer).forward.__code__: "a whole Block's forward (layer(x, ...) or layer.forward(...))"
+                    for layer in model.layers}
 
-    def look(module: torch.nn.Module, inputs: Any) -> None:
-        frame = sys._getframe(1)
-        while frame is not None and not called:
-            if frame.f_code in whole:
-                called.append(whole[frame.f_code])
-            frame = frame.f_back
 
-    pieces = [model.embed_tokens, model.norm, model.lm_head]
-    pieces += [piece for layer in model.layers
-               for piece in (layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm, layer.mlp)]
-    hooks = [piece.register_forward_pre_hook(look) for piece in pieces]
-    try:
-        with torch.no_grad():
-            fn(*args)
-    except Exception:  # the values already passed; a rule only reports what it saw
-        return None
-    finally:
-        for hook in hooks:
-            hook.remove()
-    if called:
-        return f"it runs {called[0]}: assemble the block from its pieces (norms, self_attn, mlp) and residuals."
-    return None
+ASSEMBLED_FROM_PIECES = _no_package_forward(
+    lambda args: [args[0].embed_tokens, args[0].norm, args[0].lm_head]
+    + [piece for layer in args[0].layers
+       for piece in (layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm, layer.mlp)],
+    _whole_forwards,
+    "assemble the block from its pieces (norms, self_attn, mlp) and residuals.",
+)
 
 
 def check_forward(fn: ForwardFn, hint: int = 0) -> bool:
@@ -414,4 +406,4 @@ def check_forward(fn: ForwardFn, hint: int = 0) -> bool:
     """
     with torch.no_grad():
         return check("forward", fn, _forward_cases(), hint=hint, hints=FORWARD_HINTS, mistakes=FORWARD_MISTAKES,
-                     rules=[_assembled_from_pieces], atol=1e-4)
+                     rules=[ASSEMBLED_FROM_PIECES], atol=1e-4)

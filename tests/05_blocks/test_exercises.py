@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-import math
+import functools
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from minillm.exercises import nb05
+from minillm.model.rope import apply_rope
 
 
 # --- RMSNorm in half precision ---------------------------------------------------------------------
@@ -41,66 +43,112 @@ def test_rms_norm_mistakes_are_named(capsys, wrong, says):
     assert says in capsys.readouterr().out
 
 
-# --- the FFN width rule ----------------------------------------------------------------------------
+# --- section 2's table of published FFN widths (no longer an exercise) ------------------------------
 
 
-def _ffn_right(d_model, multiple_of, ffn_dim_multiplier=None):
-    h = int(2 * 4 * d_model / 3)
-    if ffn_dim_multiplier is not None:
-        h = int(ffn_dim_multiplier * h)
-    return multiple_of * ((h + multiple_of - 1) // multiple_of)
+def test_the_published_ffn_widths_fit_metas_rule():
+    """int(8d/3), times the optional multiplier, rounded up to a multiple of multiple_of."""
+    for (d, multiple_of, mult), width in nb05.PUBLISHED_FFN.values():
+        h = int(2 * 4 * d / 3)
+        h = int(mult * h) if mult is not None else h
+        assert multiple_of * ((h + multiple_of - 1) // multiple_of) == width
 
 
-def test_ffn_width_right_answer_passes(capsys):
-    assert nb05.check_ffn_width(_ffn_right) is True
+# --- the attention forward --------------------------------------------------------------------------
+
+
+def _attention(attn, x, cos, sin, mask, rope=(True, True, False), order="grouped", o_proj=True):
+    """The attention forward as a learner writes it, with F.scaled_dot_product_attention at its core."""
+    batch, seq, _ = x.shape
+    q = attn.q_proj(x).view(batch, seq, attn.n_heads, attn.head_dim).transpose(1, 2)
+    k = attn.k_proj(x).view(batch, seq, attn.n_kv_heads, attn.head_dim).transpose(1, 2)
+    v = attn.v_proj(x).view(batch, seq, attn.n_kv_heads, attn.head_dim).transpose(1, 2)
+    q, k, v = (apply_rope(t, cos, sin) if rotate else t for t, rotate in zip((q, k, v), rope))
+    groups = attn.n_heads // attn.n_kv_heads
+    if order == "grouped":
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    else:
+        k, v = k.repeat(1, groups, 1, 1), v.repeat(1, groups, 1, 1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(batch, seq, -1)
+    return attn.o_proj(out) if o_proj else out
+
+
+def _attention_enable_gqa(attn, x, cos, sin, mask):
+    """Another right answer: the kernel shares the KV heads itself."""
+    batch, seq, _ = x.shape
+    q = apply_rope(attn.q_proj(x).view(batch, seq, attn.n_heads, -1).transpose(1, 2), cos, sin)
+    k = apply_rope(attn.k_proj(x).view(batch, seq, attn.n_kv_heads, -1).transpose(1, 2), cos, sin)
+    v = attn.v_proj(x).view(batch, seq, attn.n_kv_heads, -1).transpose(1, 2)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    return attn.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+@pytest.mark.parametrize("right", [_attention, _attention_enable_gqa], ids=["repeat_interleave", "enable_gqa"])
+def test_attention_right_answers_pass(capsys, right):
+    assert nb05.check_attention(right) is True
+    assert "✅ attention_forward" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
     "wrong, says",
     [
-        (lambda d, m, k=None: int((k or 1) * int(8 * d / 3)), "before rounding"),
-        (lambda d, m, k=None: m * (int((k or 1) * int(8 * d / 3)) // m), "you rounded down"),
-        (lambda d, m, k=None: m * math.ceil(int(8 * d / 3) / m), "ffn_dim_multiplier is ignored"),
+        (functools.partial(_attention, rope=(False, False, False)), "there is no RoPE"),
+        (functools.partial(_attention, rope=(True, True, True)), "RoPE is applied to v too"),
+        (functools.partial(_attention, rope=(True, False, False)), "only q is rotated"),
+        (functools.partial(_attention, order="tiled"), "the KV heads are repeated in the wrong order"),
+        (functools.partial(_attention, o_proj=False), "o_proj is missing"),
+        (lambda attn, x, cos, sin, mask: attn(x, cos, sin, mask), "it runs the package's attention"),
+        (lambda attn, x, cos, sin, mask: attn.forward(x, cos, sin, mask), "it runs the package's attention"),
     ],
-    ids=["no-rounding", "round-down", "no-multiplier"],
+    ids=["no-rope", "rope-on-v", "rope-on-q-only", "gqa-tiled", "no-o_proj", "attn(x)", "attn.forward"],
 )
-def test_ffn_width_mistakes_are_named(capsys, wrong, says):
-    assert nb05.check_ffn_width(wrong) is False
+def test_attention_mistakes_are_named(capsys, wrong, says):
+    assert nb05.check_attention(wrong) is False
     assert says in capsys.readouterr().out
 
 
-def test_ffn_width_cases_are_the_published_sizes():
-    for (d, multiple_of, mult), width in nb05.PUBLISHED_FFN.values():
-        assert _ffn_right(d, multiple_of, mult) == width
+# --- the pre-norm block ------------------------------------------------------------------------------
 
 
-# --- counting parameters ---------------------------------------------------------------------------
+def _block_right(layer, x, cos, sin, mask):
+    """With the learner's own attention: the block's rule allows it (it forbids only Block.forward)."""
+    x = x + _attention(layer.self_attn, layer.input_layernorm(x), cos, sin, mask)
+    return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
-def _count_right(cfg):
-    d, q_out, kv_out = cfg.hidden_size, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    per_block = 2 * d * q_out + 2 * d * kv_out + 3 * d * cfg.intermediate_size + 2 * d
-    if cfg.attention_bias:
-        per_block += q_out + 2 * kv_out
-    return cfg.vocab_size * d * (1 if cfg.tie_word_embeddings else 2) + cfg.n_layers * per_block + d
+def _block_post_norm(layer, x, cos, sin, mask):
+    x = layer.input_layernorm(x + layer.self_attn(x, cos, sin, mask))
+    return layer.post_attention_layernorm(x + layer.mlp(x))
 
 
-def test_count_params_right_answer_passes(capsys):
-    assert nb05.check_count_params(_count_right) is True
+def _block_no_mlp_residual(layer, x, cos, sin, mask):
+    x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, mask)
+    return layer.mlp(layer.post_attention_layernorm(x))
+
+
+def _block_no_attn_residual(layer, x, cos, sin, mask):
+    h = layer.self_attn(layer.input_layernorm(x), cos, sin, mask)
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+def test_block_right_answer_passes(capsys):
+    assert nb05.check_block(_block_right) is True
+    assert "✅ pre_norm_block" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
     "wrong, says",
     [
-        (lambda c: _count_right(c) + c.n_layers * 2 * c.hidden_size * (c.hidden_size - c.n_kv_heads * c.head_dim),
-         "grouped-query attention"),
-        (lambda c: _count_right(c) + (c.vocab_size * c.hidden_size if c.tie_word_embeddings else 0), "count it once"),
-        (lambda c: _count_right(c) - c.hidden_size, "final norm"),
+        (_block_post_norm, "that is post-norm"),
+        (_block_no_mlp_residual, "the FFN residual is missing"),
+        (_block_no_attn_residual, "the attention residual is missing"),
+        (lambda layer, x, cos, sin, mask: layer(x, cos, sin, mask), "it runs the Block's own forward"),
+        (lambda layer, x, cos, sin, mask: layer.forward(x, cos, sin, mask), "it runs the Block's own forward"),
     ],
-    ids=["no-gqa", "tied-twice", "no-final-norm"],
+    ids=["post-norm", "no-mlp-residual", "no-attn-residual", "layer(x)", "layer.forward"],
 )
-def test_count_params_mistakes_are_named(capsys, wrong, says):
-    assert nb05.check_count_params(wrong) is False
+def test_block_mistakes_are_named(capsys, wrong, says):
+    assert nb05.check_block(wrong) is False
     assert says in capsys.readouterr().out
 
 
@@ -223,10 +271,15 @@ def test_forward_must_be_assembled_from_pieces(capsys, shortcut, says):
     assert says in capsys.readouterr().out
 
 
-def test_forward_check_leaves_the_random_state_alone():
+@pytest.mark.parametrize(
+    "check, answer",
+    [(nb05.check_forward, _forward_right), (nb05.check_attention, _attention), (nb05.check_block, _block_right)],
+    ids=["forward", "attention", "block"],
+)
+def test_checks_leave_the_random_state_alone(check, answer):
     torch.manual_seed(123)
     before = torch.get_rng_state()
-    nb05.check_forward(_forward_right)
+    check(answer)
     assert torch.equal(before, torch.get_rng_state())
 
 
@@ -234,11 +287,11 @@ def test_forward_check_leaves_the_random_state_alone():
     "check, mistakes",
     [
         (nb05.check_rms_norm_mixed, nb05.RMS_MISTAKES),
-        (nb05.check_ffn_width, nb05.FFN_MISTAKES),
-        (nb05.check_count_params, nb05.PARAM_MISTAKES),
+        (nb05.check_attention, nb05.ATTENTION_MISTAKES),
+        (nb05.check_block, nb05.BLOCK_MISTAKES),
         (nb05.check_forward, nb05.FORWARD_MISTAKES),
     ],
-    ids=["rms_norm_mixed", "ffn_width", "count_params", "forward"],
+    ids=["rms_norm_mixed", "attention", "block", "forward"],
 )
 def test_every_listed_mistake_is_named_by_its_own_message(capsys, check, mistakes):
     for mistake in mistakes:
