@@ -112,7 +112,8 @@ MERGE_WORD_MISTAKES = [
         "the neighbours' old pairs are not decremented: merging (a, b) in [x, a, b, y] removes (x, a) and "
         "(b, y) as well as (a, b).",
     ),
-    Mistake(nb01_mistakes.no_new_pairs, "the new pairs are never added: [x, a, b, y] -> [x, N, y] creates (x, N) and (N, y)."),
+    Mistake(nb01_mistakes.no_new_pairs,
+            "the new pairs are never added: [x, a, b, y] -> [x, N, y] creates (x, N) and (N, y)."),
     Mistake(
         nb01_mistakes.unweighted,
         "each change must be multiplied by freq: the word stands for freq identical chunks of the corpus.",
