@@ -2,7 +2,8 @@
 
 Every node becomes a fragment with one entry and one exit, glued with epsilon (empty) moves:
 
-* a set of code points becomes the byte automaton of its UTF-8 encodings (``utf8_sequences``);
+* a set of code points becomes the byte automaton of its UTF-8 encodings (``utf8_sequences``),
+  its sequences sharing their common suffixes;
 * ``Concat`` chains its parts, ``Alt`` forks to each and joins after them;
 * ``Repeat(x, n, m)`` is n copies of x in a row, then either a loop (``m`` unbounded) or
   ``m - n`` optional copies *nested* (``x{0,3}`` = ``(x(x(x)?)?)?``), so each optional copy is
@@ -102,14 +103,22 @@ def _fragment(nfa: NFA, node: Node) -> tuple[int, int]:
     """Build ``node`` into ``nfa``: (entry, exit)."""
     start, end = nfa.new(), nfa.new()
     if isinstance(node, Chars):
+        # Built from the end, sharing suffixes: every sequence ending in [80-BF] goes through one
+        # state, every one ending in [80-BF][80-BF] through the next... (Rust's regex does the
+        # same). Without it each sequence has its own chain, and the DFA keeps them apart: about
+        # twice the states per character of a length-bounded string.
+        made: dict[tuple[int, int, int], int] = {}
         for lo, hi in node.ranges:
             for seq in utf8_sequences(lo, hi):
-                state = nfa.new()
-                nfa.eps[start].append(state)
-                for i, (a, b) in enumerate(seq):
-                    target = end if i == len(seq) - 1 else nfa.new()
-                    nfa.edge[state] = (a, b, target)
-                    state = target
+                target = end
+                for a, b in reversed(seq):
+                    if (a, b, target) not in made:
+                        state = nfa.new()
+                        nfa.edge[state] = (a, b, target)
+                        made[(a, b, target)] = state
+                    target = made[(a, b, target)]
+                if target not in nfa.eps[start]:
+                    nfa.eps[start].append(target)
     elif isinstance(node, Concat):
         at = start
         for item in node.items:
