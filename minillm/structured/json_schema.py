@@ -11,7 +11,8 @@ schema                      regex (``ws`` is the whitespace rule below)
 ``integer``                 ``-?(0|[1-9][0-9]*)``
 ``number``                  the integer, then ``(\\.[0-9]+)?([eE][+-]?[0-9]+)?``
 ``string``                  ``"`` + characters ``{minLength,maxLength}`` + ``"``, where a
-                            character is anything but ``"``, ``\\`` and controls, or an escape
+                            character is anything but ``"``, ``\\`` and controls, or one of
+                            the escapes ``\\" \\\\ \\/ \\b \\f \\n \\r \\t``
 ``string`` + ``pattern``    ``"(pattern)"`` (``^``/``$`` dropped: the pattern spans the quotes)
 ``string`` + ``format``     date, time, date-time (RFC 3339, the offset required), uuid, email
 ``enum`` / ``const``        the values' compact JSON, as literals, in alternation
@@ -29,6 +30,10 @@ Choices, and why:
   the space pushes them off their usual tokens, while unbounded whitespace (``[ \\n\\t]*``)
   lets a small model pad with spaces or newlines until ``max_tokens``. Pass ``whitespace=``
   another pattern (``""`` for compact JSON) to change it.
+* **No ``\\uXXXX`` escapes** in strings: the model writes any character itself, raw UTF-8.
+  Each character a length-bounded string may hold costs DFA states (9 each, most of them for
+  the UTF-8 continuation bytes); the six of a ``\\u`` escape would make that 15, and
+  ``maxLength`` up to about 1,100 fits in ``MAX_DFA_STATES`` instead of about 650.
 * **Property order is fixed** (the declared order): JSON objects are unordered, but all
   orders of n optional properties is a regex n! long. The same choice as outlines and OpenAI.
 * **No extra properties** when ``properties`` are given (``additionalProperties`` false by
@@ -41,8 +46,12 @@ Choices, and why:
   Why nesting needs a stack (a pushdown automaton) is the next lesson of notebook 13.
 * **Any JSON value** (``{}``, ``true``, an untyped array item) and ``json_object`` mode use a
   bounded-depth regex, not a pushdown automaton: it reuses the DFA machinery unchanged, and at
-  depth 3 (``ANY_DEPTH``) its minimal DFA stays a few hundred states. Deeper values are refused
-  by the grammar, not cut off.
+  depth 3 (``ANY_DEPTH``: objects or arrays inside objects or arrays, three levels) its
+  minimal DFA is 330 states for an object, 670 for any value. A free value inside the schema's
+  own objects and arrays gets the depth that is left (``ANY_DEPTH`` minus the containers
+  around it, at least 1), so the whole document stays within about ``ANY_DEPTH`` levels and
+  the subset construction within its limit (every copy of the value in the regex is a copy of
+  its NFA: one free depth-3 value is already 5,000 DFA states before minimization).
 
 Unsupported keywords raise ``SchemaError`` naming the keyword and where it is
 (``#/properties/age``): the server answers 400 with that message. Annotations (``title``,
@@ -57,7 +66,7 @@ from typing import Any
 from minillm.structured.regex import MAX_PATTERN_CHARS, GrammarTooLarge, RegexError, escape, parse
 
 WHITESPACE = r"[ ]?"
-STRING_CHAR = r'(?:[^"\\\x00-\x1F]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'
+STRING_CHAR = r'(?:[^"\\\x00-\x1F]|\\["\\/bfnrt])'
 INTEGER = r"-?(?:0|[1-9][0-9]*)"
 NUMBER = INTEGER + r"(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
 BOOLEAN = r"(?:true|false)"
@@ -66,7 +75,10 @@ ANY_DEPTH = 3  # containers inside containers for "any JSON value"
 MAX_RECURSION_DEPTH = 2
 MAX_SCHEMA_DEPTH = 32  # subschemas inside subschemas (the builder recurses once per level)
 
-_DATE = r"[0-9]{4}-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12][0-9]|3[01])"
+# Days per month, February up to 29 (a 29th in a year that is not a leap year gets through: the
+# leap rule as a regex is long and the year is rarely what a model gets wrong).
+_DATE = (r"[0-9]{4}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
+         r"|02-(?:0[1-9]|1[0-9]|2[0-9]))")
 _TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:(?:[0-5][0-9]|60)(?:\.[0-9]+)?(?:[Zz]|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
 FORMATS = {
     "date": _DATE,
@@ -129,6 +141,7 @@ class _Builder:
         self.root, self.ws, self.max_depth = root, whitespace, max_recursion_depth
         self.expanding: list[str] = []  # the $refs being expanded, outermost first
         self.depth = 0
+        self.containers = 0  # the schema's own objects and arrays around the current subschema
         # Every regex built counts: a schema whose references fan out (each expansion holding
         # several more) grows exponentially, and is stopped at the first piece over the budget.
         self.written = 0
@@ -180,7 +193,7 @@ class _Builder:
 
     def value_of(self, schema: Any, path: str) -> str | None:
         if schema is True or schema == {}:
-            return self.any_value(ANY_DEPTH)
+            return self.any_value(self.free_depth())
         if schema is False:
             return None
         if not isinstance(schema, dict):
@@ -214,7 +227,7 @@ class _Builder:
                      "string" if {"pattern", "format", "minLength", "maxLength"} & set(schema) else None)
             if types is None:
                 self.check_keywords(schema, path, set())
-                return self.any_value(ANY_DEPTH)
+                return self.any_value(self.free_depth())
         types = [types] if isinstance(types, str) else list(types)
         if schema.get("nullable") is True and "null" not in types:
             types.append("null")
@@ -224,6 +237,17 @@ class _Builder:
         self.check_keywords(schema, path, set().union(*(KEYWORDS[t] for t in types)))
         found = [r for t in types if (r := getattr(self, "type_" + t)(schema, path)) is not None]
         return _group(found) if found else None
+
+    def free_depth(self) -> int:
+        return max(ANY_DEPTH - self.containers, 1)
+
+    def inside(self, schema: Any, path: str) -> str | None:
+        """The regex of a subschema one container deeper."""
+        self.containers += 1
+        try:
+            return self.value(schema, path)
+        finally:
+            self.containers -= 1
 
     def check_keywords(self, schema: dict, path: str, allowed: set[str]) -> None:
         for key in schema:
@@ -275,7 +299,7 @@ class _Builder:
             pattern = schema["pattern"]
             if not isinstance(pattern, str):
                 raise self.error(path, "'pattern' must be a string")
-            pattern = pattern[1:] if pattern.startswith("^") else pattern
+            pattern = pattern.removeprefix("^")
             if pattern.endswith("$") and (len(pattern) - len(pattern[:-1].rstrip("\\")) - 1) % 2 == 0:
                 pattern = pattern[:-1]  # (an anchor, not an escaped dollar: an even number of backslashes before it)
             try:
@@ -303,7 +327,7 @@ class _Builder:
         items = schema.get("items", True)
         if isinstance(items, list):
             raise self.error(path, "'items' as a list (tuple validation) is not supported")
-        return self.array_of(self.value(items, path + "/items"), low, high)
+        return self.array_of(self.inside(items, path + "/items"), low, high)
 
     def type_object(self, schema: dict, path: str) -> str | None:
         properties = schema.get("properties", {})
@@ -315,8 +339,10 @@ class _Builder:
         extra = schema.get("additionalProperties", not properties)
         colon, sep = f"{self.ws}:{self.ws}", f"{self.ws},{self.ws}"
         members: list[tuple[str, bool]] = []  # (regex of '"key": value', required)
+        if not properties and extra in (True, {}):
+            return self.any_object(self.free_depth())
         for name, sub in properties.items():
-            value = self.value(sub, f"{path}/properties/{name}")
+            value = self.inside(sub, f"{path}/properties/{name}")
             if value is None:
                 if name in required:
                     return None
@@ -324,7 +350,7 @@ class _Builder:
             members.append((_literal(name) + colon + value, name in required))
         more = ""
         if extra is not False:
-            value = self.value(extra, path + "/additionalProperties")
+            value = self.inside(extra, path + "/additionalProperties")
             if value is not None:
                 more = f'"{STRING_CHAR}*"{colon}{value}'
         open_, close = rf"\{{{self.ws}", rf"{self.ws}\}}"
