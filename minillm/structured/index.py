@@ -124,7 +124,10 @@ class TokenIndex:
 
     def __init__(self, dfa: DFA, trie: VocabTrie, eos_ids: Iterable[int]) -> None:
         self.dfa, self.trie = dfa, trie
-        self.eos_ids = np.array(sorted({int(i) for i in eos_ids if 0 <= int(i) < trie.vocab_size}), dtype=np.int64)
+        eos = {int(i) for i in eos_ids if i is not None}
+        if bad := [i for i in eos if not 0 <= i < trie.vocab_size]:
+            raise ValueError(f"eos id {bad[0]} is outside the vocabulary (0..{trie.vocab_size - 1})")
+        self.eos_ids = np.array(sorted(eos), dtype=np.int64)
         self._node_class = dfa.byte_class[trie.byte]
         self._eos_in_trie = np.isin(trie.token_ids, self.eos_ids)  # (an eos id that is an ordinary token)
         self._dtype = np.int16 if dfa.n_states < 2**15 else np.int32
@@ -200,7 +203,7 @@ def token_index(pattern: str, tokenizer: Tokenizer, eos_ids: Iterable[int] | Non
     trie = vocab_trie(tokenizer)
     if eos_ids is None:
         eos_ids = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
-    eos = tuple(sorted(set(eos_ids)))
+    eos = tuple(sorted({int(i) for i in eos_ids if i is not None}))
     key = (pattern, trie.fingerprint, eos)
     index = _INDEXES.get(key)
     if index is None:
