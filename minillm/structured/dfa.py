@@ -144,20 +144,20 @@ def determinize(nfa: NFA, max_states: int = MAX_DFA_STATES) -> DFA:
 
 def trim(dfa: DFA) -> DFA:
     """Send every state that cannot reach an accepting state to ``DEAD``."""
-    n = dfa.n_states
+    n, n_classes = dfa.table.shape
     live = dfa.accepting.copy()
     live[DEAD] = False
-    sources, dests = np.nonzero(np.ones_like(dfa.table, dtype=bool))
-    dests = dfa.table[sources, dests]
-    order = np.argsort(dests, kind="stable")
-    by_dest, starts = sources[order], np.searchsorted(dests[order], np.arange(n + 1))
-    todo = list(np.flatnonzero(live))
+    # The edges backwards: the predecessors of q are sources[starts[q]:starts[q + 1]].
+    targets = dfa.table.reshape(-1)
+    order = np.argsort(targets, kind="stable")
+    sources, starts = order // n_classes, np.searchsorted(targets[order], np.arange(n + 1))
+    todo = np.flatnonzero(live).tolist()
     while todo:  # backwards from the accepting states
-        s = todo.pop()
-        for p in by_dest[starts[s] : starts[s + 1]]:
+        q = todo.pop()
+        for p in sources[starts[q] : starts[q + 1]].tolist():
             if not live[p]:
                 live[p] = True
-                todo.append(int(p))
+                todo.append(p)
     table = np.where(live[dfa.table], dfa.table, DEAD).astype(np.int32)
     table[~live] = DEAD
     return DFA(table, dfa.byte_class, dfa.accepting & live, dfa.start if live[dfa.start] else DEAD)
@@ -207,23 +207,23 @@ def minimize(dfa: DFA) -> DFA:
     block = np.array(block_of, dtype=np.int64)
     # One representative per block; renumber breadth-first from the start so the result is canonical.
     representative = np.array([min(members) for members in blocks], dtype=np.int64)
-    number = {int(block[DEAD]): DEAD}
-    order_ = [int(block[DEAD])]
+    number = {int(block[DEAD]): DEAD}  # block -> its new state number
+    numbered = [int(block[DEAD])]
     todo = deque([int(block[dfa.start])])
     if todo[0] not in number:
-        number[todo[0]] = len(order_)
-        order_.append(todo[0])
+        number[todo[0]] = len(numbered)
+        numbered.append(todo[0])
     while todo:
         b = todo.popleft()
         for nxt in block[dfa.table[representative[b]]].tolist():
             if nxt not in number:
-                number[nxt] = len(order_)
-                order_.append(nxt)
+                number[nxt] = len(numbered)
+                numbered.append(nxt)
                 todo.append(nxt)
     remap = np.zeros(len(blocks), dtype=np.int32)
     for b, k in number.items():
         remap[b] = k
-    rows = representative[order_]
+    rows = representative[numbered]
     table = remap[block[dfa.table[rows]]]
     return DFA(table.astype(np.int32), dfa.byte_class, dfa.accepting[rows], number[int(block[dfa.start])])
 

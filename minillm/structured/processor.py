@@ -5,14 +5,22 @@ token is drawn, every disallowed token's score becomes ``-inf`` (so softmax give
 and argmax never picks it); after the token is drawn, ``advance(token)`` moves the state. The
 index (``token_index``) is shared by every request with the same pattern; the state is one int.
 
-How it is meant to be wired into the sampler (a later change; nothing here imports it)::
+How it is meant to be wired into the sampler (a later change: ``minillm.sampling`` will import
+this module, never the reverse)::
 
+    # the pattern (or schema, as JSON text) can be a field of the frozen, hashable
+    # SamplingParams; the state, which changes every token, belongs in SamplingState:
     # minillm/sampling: SamplingState gains  grammar: GrammarState | None
     #   SamplingState.record(token)  ->  also  self.grammar.advance(token)  when it has one
     # sample_batch(logits, states):
     #   rows = [r for r, s in enumerate(states) if s.grammar is not None]
     #   scores = apply_grammar(logits.float(), rows, [states[r].grammar for r in rows])
     #   ... then the parameter groups, processors and draws exactly as today
+
+    # the engine builds the state when it admits a request with a pattern or schema:
+    #   GrammarState(token_index(pattern, tokenizer, eos_ids=<the request's stop ids>))
+    # n > 1 completions and beams fork it with .copy(); speculative decoding undoes rejected
+    # drafted tokens with .rollback(k); a finished state allows only eos.
 
 The mask is applied *before* the processors on purpose: temperature, top-k, top-p and min-p
 then work on the distribution restricted to what the grammar allows (a top-k of 5 keeps the 5
