@@ -8,6 +8,10 @@ the layers from the bottom, each with the first name after ``minillm.`` of the m
 * ``io``: ``errors``, ``safe_io``, ``gguf_io``, ``assets``, ``lazy``: reading files and finding them,
   needed by everything and needing nothing of minillm.
 * ``tokenizer``: text <-> ids (notebooks 01-02); pure Python, no model.
+* ``structured``: constrained decoding (notebook 13): regex and JSON Schema -> DFA over bytes ->
+  the tokens each state allows, and the per-request state that masks the logits. It reads the
+  tokenizer's vocabulary; the sampler will use it, so it sits below sampling (and needs nothing
+  of the cache or the model in between).
 * ``cache``: where the keys and values live, and which blocks hold them (notebooks 07-08,
   12). Below the model: the model writes into a cache, the cache knows nothing of the model.
 * ``model``: the transformer and its weights (notebooks 03-06, 11).
@@ -61,6 +65,7 @@ PACKAGE = ROOT / "minillm"
 LAYERS = {
     "io": ("errors", "safe_io", "gguf_io", "assets", "lazy"),
     "tokenizer": ("tokenizer",),
+    "structured": ("structured",),
     "cache": ("cache",),
     "model": ("model",),
     "sampling": ("sampling",),
