@@ -10,14 +10,12 @@ timing test is a ratio against HF measured in the same run).
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import random
 import string
 import threading
 import tracemalloc
-from pathlib import Path
 
 import pytest
 import regex
@@ -30,6 +28,7 @@ from minillm.tokenizer import bpe
 from minillm.tokenizer.bytes_unicode import bytes_to_unicode
 
 from helpers.tokenizer_cases import hf_chat_ids, hf_ids, smol_safe_char
+from helpers.tokenizer_files import added, refuses, split_spec, write_spec
 
 
 def random_letters(n: int, seed: int = 0, alphabet: str = string.ascii_lowercase) -> str:
@@ -355,43 +354,6 @@ def test_rendering_restores_the_previous_trace_function(trained):
         sys.settrace(previous)
 
 
-# --------------------------------------------------------------------------- files: helpers
-@pytest.fixture(scope="module")
-def trained_spec(trained, tmp_path_factory) -> dict:
-    """The small trained tokenizer as a tokenizer.json dict, to break one field at a time."""
-    folder = tmp_path_factory.mktemp("spec")
-    trained.save(folder)
-    return json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
-
-
-def write_spec(folder, spec, **changes) -> Path:
-    spec = copy.deepcopy(spec)
-    for key, value in changes.items():
-        target = spec
-        *parents, last = key.split("__")
-        for parent in parents:
-            target = target[parent]
-        target[last] = value
-    path = folder / "tokenizer.json"
-    path.write_text(json.dumps(spec), encoding="utf-8")
-    return path
-
-
-def added(content: str, token_id: int, **flags) -> dict:
-    entry = {"id": token_id, "content": content, "single_word": False, "lstrip": False, "rstrip": False}
-    return {**entry, "normalized": False, "special": True, **flags}
-
-
-def refuses(path, *fragments):
-    """Loading ``path`` is a FileFormatError whose message names the file and every fragment."""
-    with pytest.raises(FileFormatError) as err:
-        Tokenizer.from_file(path)
-    message = str(err.value)
-    for fragment in [str(path), *fragments]:
-        assert fragment in message, f"{fragment!r} not in {message!r}"
-    return message
-
-
 # --------------------------------------------------------------------------- 3. unbounded allocations
 def test_added_token_with_a_huge_id_is_refused_before_allocating(tmp_path, trained_spec):
     """One added token with id 10**8 once asked for a 791 MB id table from a small file."""
@@ -450,12 +412,6 @@ def test_constructor_refuses_ids_beyond_the_number_of_tokens(vocab, special):
 
 
 # --------------------------------------------------------------------------- 4. inconsistent files
-def split_spec(spec, pattern, **split_options):
-    step = {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False, **split_options}
-    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
-    return {**spec, "pre_tokenizer": {"type": "Sequence", "pretokenizers": [step, byte_level]}}
-
-
 def test_split_regex_that_misses_text_keeps_it_like_hf(tmp_path, trained_spec):
     """'hello, world 42!' with a letters-only Split: HF keeps ', ' and ' 42!' as pieces."""
     path = write_spec(tmp_path, split_spec(trained_spec, r"\p{L}+"))
