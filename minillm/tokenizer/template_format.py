@@ -12,6 +12,7 @@ formatted, on its own. Every field of a value that holds user text is marked as 
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 from typing import Any
@@ -228,6 +229,7 @@ def format_method(env: Any, method: Any, limits: Limits) -> Callable[..., str]:
     is_map = method.__name__ == "format_map"
     what = f"{method.__name__}()"
 
+    @functools.wraps(method)
     def bounded(*args: Any, **kwargs: Any) -> str:
         if is_map:
             if kwargs or len(args) != 1:
@@ -237,7 +239,6 @@ def format_method(env: Any, method: Any, limits: Limits) -> Callable[..., str]:
         result = formatter.vformat(fmt, args, kwargs)
         return Markup(result) if isinstance(fmt, Markup) and not isinstance(result, Marked) else result
 
-    bounded.__wrapped__ = method  # type: ignore[attr-defined]
     return bounded
 
 

@@ -44,7 +44,8 @@ HOSTILE = {
     "format precision": "{{ '{:.2000000000f}'.format(1.0) }}",
     "format of a repeated field": BIG + "{{ ('{0}' * 100).format(big) }}",
     "format_map width": "{{ '{a:>2000000000}'.format_map({'a': 'x'}) }}",
-    "format repr of a shared list": BIG + "{{ '{!r}'.format([big, big]) }}",
+    "format repr of a shared list": BIG + "{{ '{}'.format([big, big]) }}",
+    "format repr of control characters": "{{ '{!r}'.format('\\x00' * 500000) }}",
     "markup format": "{{ ('{:>2000000000}'|safe).format('x') }}",
     # concatenation and repetition
     "tilde doubling": "{% set a = 'xy' %}" + "{% set a = a ~ a %}" * 31 + "{{ a|length }}",
