@@ -37,7 +37,7 @@ from typing import Any, Protocol
 import jinja2
 
 from minillm.tokenizer.checks import short
-from minillm.tokenizer.template_limits import Limits, TemplateError, held_size
+from minillm.tokenizer.template_limits import Limits, TemplateError
 from minillm.tokenizer.template_sandbox import BoundedEnvironment, DeadlineExceeded, deadline
 from minillm.tokenizer.user_text import Spans, join_marked, mark_user, plain, spans_of
 
@@ -143,7 +143,8 @@ def _check_messages(messages: Any) -> None:
 def _render(tokenizer: ChatTokenizer, messages: Sequence[Any], add_generation_prompt: bool) -> tuple[str, Spans]:
     """The rendered prompt and where in it the messages' text is; every failure is a ValueError."""
     source = tokenizer.chat_template or CHATML_TEMPLATE
-    limits = Limits(len(source) + held_size(list(messages), 1 << 62))
+    marked = mark_user(list(messages))
+    limits = Limits(len(source) + _text_length(marked))
     env = BoundedEnvironment(limits)
 
     def name_of(token_id: int | None) -> str:
@@ -151,7 +152,6 @@ def _render(tokenizer: ChatTokenizer, messages: Sequence[Any], add_generation_pr
 
     pieces: list[str] = []
     try:
-        marked = mark_user(list(messages))
         with deadline(limits.seconds):
             try:
                 template = env.template_class.from_code(env, _compile(source), env.make_globals(None))
@@ -182,6 +182,17 @@ def _render(tokenizer: ChatTokenizer, messages: Sequence[Any], add_generation_pr
         raise TemplateError(f"chat template failed: {type(err).__name__}: {short(str(err), 300)}") from None
     text = join_marked(pieces)
     return plain(text), spans_of(text)
+
+
+def _text_length(value: Any) -> int:
+    """Characters of text in the messages (``mark_user`` has checked how deeply they nest)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_text_length(key) + _text_length(item) for key, item in value.items())
+    if isinstance(value, list):
+        return sum(map(_text_length, value))
+    return 0
 
 
 @functools.lru_cache(maxsize=16)

@@ -242,14 +242,9 @@ def format_method(env: Any, method: Any, limits: Limits) -> Callable[..., str]:
     return bounded
 
 
-def format_filter(limits: Limits) -> Callable[..., str]:
-    """Jinja's ``format`` filter (``value % args``, or ``% kwargs``), bounded."""
-
-    def do_format(value: Any, *args: Any, **kwargs: Any) -> str:
-        if args and kwargs:
-            raise TypeError("can't handle positional and keyword arguments at the same time")
-        text = value if isinstance(value, str) else str(value)
-        return printf(text, kwargs or args, limits, "the 'format' filter")
-
-    return do_format
-
+def format_filter(env: Any, value: Any, *args: Any, **kwargs: Any) -> str:
+    """Jinja's ``format`` filter (``value % args``, or ``% kwargs``), bounded by ``env.limits``."""
+    if args and kwargs:
+        raise TypeError("can't handle positional and keyword arguments at the same time")
+    text = value if isinstance(value, str) else str(value)
+    return printf(text, kwargs or args, env.limits, "the 'format' filter")

@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from operator import methodcaller
 from typing import Any
 
-from minillm.tokenizer.user_text import MixedText
+from markupsafe import Markup
+
+from minillm.tokenizer.user_text import MixedText, UserText
 
 _BASE_SECONDS = 1.0
 _SECONDS_PER_INPUT_CHAR = 1e-6
@@ -36,6 +39,10 @@ _MAX_BUILT_PER_INPUT_CHAR = 128
 _FLOAT_CHARS = 330
 _OTHER_CHARS = 200  # repr of an object of another kind: <LoopContext 1/3>, <generator ...>
 _DICT_VIEWS = (type({}.keys()), type({}.values()), type({}.items()))  # their repr lists what they see
+_TEXT_KINDS = {str, UserText, MixedText, Markup}
+_INT_KINDS = {int, bool}
+_OTHER_SCALARS = {float, type(None)}
+_SCALARS = _TEXT_KINDS | _INT_KINDS | _OTHER_SCALARS | {bytes, bytearray}
 
 
 class TemplateError(ValueError):
@@ -92,6 +99,8 @@ def held_size(value: Any, limit: int) -> int:
     """Characters and items ``value`` holds, every reference counted (a list of a thousand
     references to one string holds a thousand strings: that is what printing it would build).
     Stops counting past ``limit``."""
+    if isinstance(value, str):
+        return len(value)
 
     def leaf(item: Any) -> int | None:
         if isinstance(item, (str, bytes, bytearray)):
@@ -100,7 +109,14 @@ def held_size(value: Any, limit: int) -> int:
             return item.bit_length() // 8
         return None if _children(item) is not None else 0
 
-    return _dag_size(value, leaf, lambda item: len(_children(item) or ()), limit)
+    def flat(items: list[Any], kinds: set[type]) -> int | None:
+        if kinds <= _TEXT_KINDS:
+            return sum(map(len, items))
+        if kinds <= _INT_KINDS:
+            return sum(map(int.bit_length, items)) // 8
+        return 0 if kinds <= _OTHER_SCALARS else None
+
+    return _dag_size(value, leaf, flat, lambda item, n: n, limit)
 
 
 def text_size(value: Any, limit: int) -> int:
@@ -111,40 +127,57 @@ def text_size(value: Any, limit: int) -> int:
         return len(value)
 
     def leaf(item: Any) -> int | None:
-        if isinstance(item, str):
-            return _repr_size(item)
-        if isinstance(item, (bytes, bytearray)):
-            return 4 * len(item) + 3
-        if isinstance(item, bool) or item is None:
-            return 5
-        if isinstance(item, int):
-            return int(item.bit_length() * 0.302) + 2
-        if isinstance(item, float):
-            return _FLOAT_CHARS
+        if isinstance(item, (str, bytes, bytearray)):
+            return _repr_sizes([item], {type(item)})
+        if isinstance(item, (int, float)) or item is None:
+            return _repr_sizes([item], {type(item)})
         return None if _children(item) is not None else _OTHER_CHARS
 
-    return _dag_size(value, leaf, lambda item: 4 * len(_children(item) or ()) + 16, limit)
+    return _dag_size(value, leaf, _repr_sizes, lambda item, n: 4 * n + 16, limit)
 
 
 def json_size(value: Any, indent: int, limit: int) -> int:
     """An upper bound of the length of ``tojson`` of ``value`` (``indent`` characters a level):
     ``\\uXXXX`` escapes make a character up to 12, and ``<>&'`` are escaped for HTML; with
     ``indent``, each element's line is indented at most as deep as the value nests."""
-    depth = _depth(value) if indent else 0
+    per_item = 4 + (1 + indent * _depth(value) if indent else 0)
+
+    def flat(items: list[Any], kinds: set[type]) -> int | None:
+        if not kinds <= _TEXT_KINDS:
+            return _repr_sizes(items, kinds)
+        size = sum(map(len, items))
+        if all(map(str.isascii, items)) and all(map(str.isprintable, items)):
+            specials = sum(sum(map(methodcaller("count", char), items)) for char in "<>&'")
+            return size + sum(map(methodcaller("count", '"'), items)) + sum(map(methodcaller("count", "\\"), items)) \
+                + 5 * specials + 2 * len(items)
+        return 12 * size + 2 * len(items)
 
     def leaf(item: Any) -> int | None:
-        if isinstance(item, str):
-            if item.isascii() and item.isprintable():
-                return len(item) + item.count('"') + item.count("\\") + 5 * sum(map(item.count, "<>&'")) + 2
-            return 12 * len(item) + 2
         if isinstance(item, (dict, list, tuple)):
             return None
-        return text_size(item, limit)
+        return flat([item], {type(item)}) if isinstance(item, str) else text_size(item, limit)
 
-    def own(item: Any) -> int:
-        return (4 + (1 + indent * depth if indent else 0)) * (len(_children(item) or ()) + 1)
+    return _dag_size(value, leaf, flat, lambda item, n: per_item * (n + 1), limit)
 
-    return _dag_size(value, leaf, own, limit)
+
+def _repr_sizes(items: list[Any], kinds: set[type]) -> int | None:
+    """An upper bound of the total length of the reprs of ``items`` (scalars of ``kinds``), in C
+    loops: one character of a string can print as ten (``'\\U000f0000'``)."""
+    if kinds <= _TEXT_KINDS:
+        size = sum(map(len, items))
+        if all(map(str.isprintable, items)):
+            return size + sum(map(methodcaller("count", "\\"), items)) + sum(map(methodcaller("count", "'"), items)) \
+                + 2 * len(items)
+        return 10 * size + 2 * len(items)
+    if kinds <= {bytes, bytearray}:
+        return 4 * sum(map(len, items)) + 3 * len(items)
+    if kinds <= _INT_KINDS:
+        return int(sum(map(int.bit_length, items)) * 0.302) + 2 * len(items)
+    if kinds <= {float}:
+        return _FLOAT_CHARS * len(items)
+    if kinds <= {type(None)}:
+        return 4 * len(items)
+    return None
 
 
 def _children(item: Any) -> list[Any] | None:
@@ -178,11 +211,13 @@ def _depth(value: Any) -> int:
     return depths.get(id(value), 0)
 
 
-def _dag_size(value: Any, leaf: Any, own: Any, limit: int) -> int:
-    """The size of ``value``: ``leaf(item)`` for a scalar, ``own(item)`` plus its children's for a
-    container, every reference counted but each object measured once, so a list that holds
-    itself doubled sixty times (``{% set a = [a, a] %}``) costs sixty steps, not 2**60. Past
-    ``limit``, a size is only known to be too large."""
+def _dag_size(value: Any, leaf: Any, flat: Any, own: Any, limit: int) -> int:
+    """The size of ``value``: ``leaf(item)`` for a scalar, ``own(item, n)`` plus its ``n``
+    children's for a container, every reference counted but each object measured once, so a
+    list that holds itself doubled sixty times (``{% set a = [a, a] %}``) costs sixty steps, not
+    2**60. A container of scalars of one kind is measured by ``flat`` in C loops (a list of a
+    million strings, while a trace function watches every Python line). Past ``limit``, a size
+    is only known to be too large."""
     sizes: dict[int, int] = {}
     stack: list[tuple[Any, bool]] = [(value, False)]
     while stack:
@@ -195,10 +230,15 @@ def _dag_size(value: Any, leaf: Any, own: Any, limit: int) -> int:
             continue
         children = _children(item) or []
         if not children_done:
+            kinds = set(map(type, children))
+            size = flat(children, kinds) if kinds <= _SCALARS else None
+            if size is not None:
+                sizes[id(item)] = min(own(item, len(children)) + size, limit + 1)
+                continue
             stack.append((item, True))
             stack.extend((child, False) for child in children if id(child) not in sizes)
             continue
-        total = own(item)
+        total = own(item, len(children))
         for child in children:
             total += sizes.get(id(child), limit + 1)  # missing: a cycle, only in data from outside
             if total > limit:
@@ -207,22 +247,14 @@ def _dag_size(value: Any, leaf: Any, own: Any, limit: int) -> int:
     return sizes[id(value)]
 
 
-def _repr_size(text: str) -> int:
-    if text.isprintable():
-        return len(text) + text.count("\\") + text.count("'") + 2
-    return 10 * len(text) + 2
-
-
 def cost(value: Any) -> int:
     """Bytes a value just built occupies: itself, and for a container the distinct objects
-    it holds one level down (``split()`` makes new strings; the container alone is pointers)."""
+    it holds one level down (``split()`` makes new strings; the container alone is pointers).
+    All in C loops, which the deadline's trace function does not slow down."""
     total = sys.getsizeof(value)
     if isinstance(value, MixedText):
-        total += sys.getsizeof(value.spans)
+        total += sys.getsizeof(value._spans)
     if isinstance(value, (list, tuple, set, frozenset, dict)):
-        seen: set[int] = set()
-        for item in [*value.keys(), *value.values()] if isinstance(value, dict) else value:
-            if id(item) not in seen:
-                seen.add(id(item))
-                total += sys.getsizeof(item)
+        items = [*value.keys(), *value.values()] if isinstance(value, dict) else value
+        total += sum(map(sys.getsizeof, dict(zip(map(id, items), items)).values()))
     return total

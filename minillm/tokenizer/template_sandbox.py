@@ -32,11 +32,12 @@ from contextlib import contextmanager
 from typing import Any, NoReturn
 
 from jinja2.compiler import CodeGenerator, Frame
+from jinja2.defaults import DEFAULT_FILTERS
 from jinja2.filters import make_attrgetter
 from jinja2.nodes import Concat
 from jinja2.runtime import Macro
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from jinja2.utils import Namespace, pass_context
+from jinja2.utils import Namespace, _PassArg, pass_context
 
 from minillm.tokenizer.template_format import format_filter, format_method, printf
 from minillm.tokenizer.template_limits import Limits, TemplateError, held_size, json_size, text_size
@@ -49,10 +50,11 @@ _PRINTING_FILTERS = {
     "lower": 3, "upper": 3, "title": 3, "capitalize": 3, "pprint": 2, "escape": 6, "e": 6, "forceescape": 6,
     "xmlattr": 6, "urlencode": 12, "urlize": 30,
 }  # fmt: skip
-# Filters whose result is their value, elements of it, or containers of those: nothing new to mark.
+# Filters whose result is their value, elements of it, containers of those, or a number: nothing new to mark.
 _ELEMENT_FILTERS = frozenset({
     "attr", "batch", "d", "default", "dictsort", "first", "groupby", "items", "last", "list", "max", "min",
     "random", "reject", "rejectattr", "reverse", "select", "selectattr", "slice", "sort", "sum", "unique",
+    "abs", "count", "float", "int", "length", "round", "wordcount",
 })  # fmt: skip
 _STR_GROWTH = {"upper": 3, "lower": 3, "title": 3, "capitalize": 3, "swapcase": 3, "casefold": 3, "encode": 10}
 _SUBSTRING_METHODS = frozenset({"strip", "lstrip", "rstrip", "removeprefix", "removesuffix"})
@@ -86,7 +88,7 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
         self.globals["raise_exception"] = raise_exception
         self.globals["namespace"] = _bounded_namespace(limits)
         self.globals["lipsum"] = _bounded_lipsum(limits, self.globals["lipsum"])
-        self.filters = {name: _bounded_filter(self, name, func) for name, func in self.filters.items()}
+        self.filters = dict(_bounded_filters())
 
     # ------------------------------------------------------------------ operators and output
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
@@ -254,24 +256,31 @@ def _bounded_list(value: Any, limits: Limits, what: str) -> Any:
 
 
 # ------------------------------------------------------------------------------ filters
-def _bounded_filter(env: BoundedEnvironment, name: str, func: Callable[..., Any]) -> Callable[..., Any]:
+@functools.cache
+def _bounded_filters() -> dict[str, Callable[..., Any]]:
+    """Jinja's filters, each wrapped by ``_bounded_filter`` (once: the limits are the context's)."""
+    return {name: _bounded_filter(name, func) for name, func in DEFAULT_FILTERS.items()}
+
+
+def _bounded_filter(name: str, func: Callable[..., Any]) -> Callable[..., Any]:
     """``func`` (a Jinja filter) with its result's size checked before it runs and its result
     marked and charged after. It takes the context, so Jinja never calls it while compiling."""
-    limits, what = env.limits, f"the {name!r} filter"
+    what = f"the {name!r} filter"
     pass_arg = getattr(func, "jinja_pass_arg", None)
     if name == "format":
-        func, pass_arg = format_filter(limits), None
+        func, pass_arg = format_filter, _PassArg.environment
 
     @pass_context
     @functools.wraps(func)
     def bounded(context: Any, value: Any = None, *args: Any, **kwargs: Any) -> Any:
+        limits = context.environment.limits
         if isinstance(value, Iterator):  # a generator (map, select...): collected within the limit
             value = _bounded_list(value, limits, what)
         if name == "join":
             return _join_filter(context, value, args, kwargs, limits, what)
         limits.check(_filter_size(name, value, args, kwargs, limits), what)
-        first = {None: (), "context": (context,), "eval_context": (context.eval_ctx,),
-                 "environment": (context.environment,)}[getattr(pass_arg, "name", None)]  # fmt: skip
+        first = () if pass_arg is None else (context if pass_arg is _PassArg.context else
+                 context.eval_ctx if pass_arg is _PassArg.eval_context else context.environment,)  # fmt: skip
         result = func(*first, value, *args, **kwargs)
         if name == "map":
             return _counted(result, limits, what)
@@ -298,6 +307,8 @@ def _arg(args: tuple, kwargs: dict, index: int, key: str, default: Any = None) -
 def _filter_size(name: str, value: Any, args: tuple, kwargs: dict, limits: Limits) -> int:
     """How large the result of filter ``name`` can be: its length, or items plus characters."""
     cap = limits.max_chars
+    if name in ("list", "sort", "unique", "batch", "slice", "groupby") and isinstance(value, str):
+        return 2 * len(value)  # a list of its characters: an item and a character each
     if name in _PRINTING_FILTERS or name in ("center", "indent", "wordwrap", "replace", "truncate"):
         size = text_size(value, cap)
         limits.check(size, f"the {name!r} filter printing its value")

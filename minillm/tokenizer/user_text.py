@@ -49,10 +49,10 @@ class Marked(str):
             yield UserText(char) if n < len(spans) and spans[n] <= i else char
 
     def __add__(self, other: Any) -> Any:
-        return join_marked([self, other]) if isinstance(other, str) else NotImplemented
+        return _concat(self, other) if isinstance(other, str) else NotImplemented
 
     def __radd__(self, other: Any) -> Any:
-        return join_marked([other, self]) if isinstance(other, str) else NotImplemented
+        return _concat(other, self) if isinstance(other, str) else NotImplemented
 
     def __mul__(self, count: Any) -> Any:
         if not isinstance(count, int):
@@ -72,20 +72,20 @@ class UserText(Marked):
 
 
 class MixedText(Marked):
-    """A str built from template text and user text; ``spans`` says which characters are which."""
+    """A str built from template text and user text; ``spans_of`` says which characters are which."""
 
-    spans: Spans
+    _spans: Spans  # underscored: the sandbox hides it from templates, which could otherwise edit it
 
     def __new__(cls, text: str, spans: Spans) -> MixedText:
         self = super().__new__(cls, text)
-        self.spans = spans
+        self._spans = spans
         return self
 
 
 def spans_of(text: str) -> Spans:
     """Where ``text`` holds user text: start, end, start, end, ..."""
     if isinstance(text, MixedText):
-        return text.spans
+        return text._spans
     if isinstance(text, UserText):
         return array("q", (0, len(text))) if text else array("q")
     return array("q")
@@ -114,14 +114,39 @@ def join_marked(pieces: Iterable[str]) -> str:
     spans = array("q")
     offset = 0
     for piece in pieces:
-        for k, edge in enumerate(spans_of(piece)):
-            edge += offset
-            if k % 2 == 0 and spans and spans[-1] == edge:
-                spans.pop()  # touches the previous span: extend it
-            else:
-                spans.append(edge)
+        if isinstance(piece, Marked):
+            edges = (0, len(piece)) if type(piece) is UserText else piece._spans
+            for k, edge in enumerate(edges):
+                edge += offset
+                if k % 2 == 0 and spans and spans[-1] == edge:
+                    spans.pop()  # touches the previous span: extend it
+                else:
+                    spans.append(edge)
         offset += len(piece)
     return make(text, spans)
+
+
+def _concat(left: str, right: str) -> str:
+    """``left + right`` with marks: ``join_marked`` for two pieces, the common cases first
+    (templates concatenate a lot: ``'<|im_start|>' + role + '\\n' + content``)."""
+    text = str.__add__(left, right)
+    user_left, user_right = type(left) is UserText, type(right) is UserText
+    if user_left and user_right or (user_left and not right) or (user_right and not left):
+        return UserText(text)
+    if user_left and type(right) is str:
+        return MixedText(text, array("q", (0, len(left))))
+    if user_right and type(left) is str:
+        return MixedText(text, array("q", (len(left), len(text))))
+    if type(left) is MixedText and type(right) is str:
+        return MixedText(text, left._spans)  # spans are never changed once made: sharing is safe
+    if type(left) is MixedText and user_right:
+        spans = array("q", left._spans)
+        if spans[-1] == len(left):
+            spans[-1] = len(text)
+        else:
+            spans.extend((len(left), len(text)))
+        return MixedText(text, spans)
+    return join_marked([left, right])
 
 
 def _slice_spans(spans: Spans, length: int, key: Any) -> Spans:
@@ -159,16 +184,20 @@ def _slice_spans(spans: Spans, length: int, key: Any) -> Spans:
 
 def mark_user(value: Any, depth: int = 0) -> Any:
     """``value`` with every str in it (dict keys too, in lists and dicts at any depth) a ``UserText``:
-    what the messages look like to the template."""
+    what the messages look like to the template. Numbers, booleans and None stay as they are; any
+    other object becomes its text, marked (its ``str()`` is the caller's to define, and could
+    spell anything)."""
     if isinstance(value, str):
         return UserText(value) if value else value
+    if value is None or isinstance(value, (int, float)):
+        return value
     if depth > _MAX_DEPTH:
         raise ValueError(f"the messages are nested more than {_MAX_DEPTH} levels deep")
     if isinstance(value, dict):
         return {mark_user(key, depth + 1): mark_user(item, depth + 1) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
         return [mark_user(item, depth + 1) for item in value]
-    return value
+    return mark_user(str(value), depth)
 
 
 def mark_all(value: Any, depth: int = 0) -> Any:
@@ -203,17 +232,27 @@ def holds_user_text(value: Any) -> bool:
         item, depth = stack.pop()
         if isinstance(item, (Marked, bytes, bytearray)):
             return True
-        if isinstance(item, str) or id(item) in seen or depth > _MAX_DEPTH:
+        if isinstance(item, str) or id(item) in seen:
             continue
+        if depth > _MAX_DEPTH:
+            return True  # too deep to look through: assume the worst
         if isinstance(item, dict):
-            seen.add(id(item))
-            stack.extend((x, depth + 1) for pair in item.items() for x in pair)
+            items = [*item.keys(), *item.values()]
         elif isinstance(item, (list, tuple, set, frozenset, *_DICT_VIEWS)):
-            seen.add(id(item))
-            stack.extend((x, depth + 1) for x in item)
+            items = list(item)
         elif hasattr(item, "_Namespace__attrs"):  # jinja2's namespace() keeps its attributes here
-            stack.append((item._Namespace__attrs, depth + 1))
+            items = [item._Namespace__attrs]
+        else:
+            continue
+        seen.add(id(item))
+        kinds = set(map(type, items))  # in C: a list of a million plain strings is quick to clear
+        if kinds & _USER_KINDS:
+            return True
+        if not kinds <= _PLAIN_SCALARS:
+            stack.extend((x, depth + 1) for x in items if type(x) not in _PLAIN_SCALARS)
     return False
 
 
 _DICT_VIEWS = (type({}.keys()), type({}.values()), type({}.items()))
+_USER_KINDS = {UserText, MixedText, bytes, bytearray}
+_PLAIN_SCALARS = {str, int, float, bool, type(None)}
