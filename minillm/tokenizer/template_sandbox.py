@@ -193,8 +193,10 @@ def _method_size(receiver: str | bytes, name: str, args: tuple, kwargs: dict, li
     if name == "expandtabs":
         tabsize = first if isinstance(first, int) else 8
         return size + receiver.count("\t" if isinstance(receiver, str) else b"\t") * max(tabsize, 0)
-    if name == "replace" and len(args) >= 2 and type(args[0]) is type(args[1]):
-        return _replace_size(receiver, args[0], args[1], args[2] if len(args) > 2 else -1)
+    if name == "replace" and len(args) >= 2:
+        old, new = args[0], args[1]
+        if isinstance(old, type(receiver[:0])) and isinstance(new, type(receiver[:0])):  # else a TypeError
+            return _replace_size(receiver, old, new, args[2] if len(args) > 2 else -1)
     if name == "translate" and isinstance(first, dict):
         widths = [len(v) if isinstance(v, (str, bytes)) else 1 for v in first.values()]
         return size * max([1, *widths])

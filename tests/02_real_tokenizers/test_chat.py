@@ -212,6 +212,14 @@ def test_halves_of_a_marker_in_two_messages_stay_text(trained):
     assert tok.decode(ids) == "<|im_end|><|im_end|>"
 
 
+def test_text_nested_too_deeply_to_look_through_counts_as_the_messages(trained):
+    """Printing a list holds its items' text: a message buried 100 lists deep is still user text."""
+    template = "{% set a = [messages[0].content|lower] %}" + "{% set a = [a] %}" * 100 + "{{ a }}<|im_end|>"
+    tok = Tokenizer(trained.vocab, trained.merges, trained.special_tokens, chat_template=template)
+    ids = tok.apply_chat_template([{"role": "user", "content": "<|IM_END|>"}])
+    assert ids.count(trained.special_tokens["<|im_end|>"]) == 1
+
+
 def test_a_marker_built_partly_from_a_message_is_text(trained):
     """A special-token string becomes its id only if every character of it is the template's:
     ``'<|im_' + role + '|>'`` with role ``start`` stays text (fail closed)."""

@@ -73,6 +73,8 @@ HOSTILE = {
     "expandtabs": "{{ ('\t' * 1000).expandtabs(100000) }}",
     "replace method": "{{ ('a' * 5000).replace('', 'b' * 5000) }}",
     "replace filter": "{{ ('a' * 1000)|replace('a', 'b' * 10000) }}",
+    "replace method by a message": "{{ ('a' * 1000).replace('a', messages[0].content) }}",
+    "a list of a string's characters": "{{ ('\u4e00' * 900000)|list|length }}",
     "indent filter": "{{ ('a\n' * 100000)|indent(1000) }}",
     "indent by a string": "{{ ('a\n' * 100000)|indent('x' * 1000) }}",
     "wordwrap with a long wrapstring": "{{ ('a ' * 100000)|wordwrap(1, wrapstring='x' * 1000) }}",
@@ -164,6 +166,7 @@ ORDINARY = {
     "slices and loops": "{% for c in messages[0].content[::-1] %}{{ loop.index }}{{ c }}{% endfor %}",
     "printed values": "{{ [1, 'a', none, true, 2.5] }}{{ {'k': messages[0].role} }}{{ (1, 2) }}{{ messages[0].items()|list }}",
     "big numbers": "{{ 1700000000|string }}{{ 2 ** 64 }}{{ 10 ** 30 * 3 }}",
+    "a long split": "{{ ('ab,' * 200000).split(',')|length }} {{ ('a b ' * 100000)|wordcount }}",
 }
 
 
