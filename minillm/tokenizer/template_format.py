@@ -192,15 +192,18 @@ class BoundedFormatter(SandboxedFormatter):
                 auto[0] = False
             value, key = self.get_field(field_name, args, kwargs)
             used.add(key)
-            if conversion:
+            if conversion:  # !r, !s, !a: repr can make a character ten
                 limits = self.limits
-                limits.check(10 * text_size(value, limits.max_chars) + 2, f"{self.what} converting a field with !{conversion}")
-                value = mark_all(self.convert_field(value, conversion)) if holds_user_text(value) else self.convert_field(value, conversion)
+                what = f"{self.what} converting a field with !{conversion}"
+                limits.check(10 * text_size(value, limits.max_chars) + 2, what)
+                converted = self.convert_field(value, conversion)
+                value = mark_all(converted) if holds_user_text(value) else converted
             spec_pieces: list[str] = []
             self._pieces(spec, args, kwargs, used, depth - 1, auto, spec_pieces)
             spec_text = join_marked(spec_pieces)
             piece = self.format_field(value, plain(spec_text))
-            out.append(UserText(piece) if piece and (holds_user_text(value) or isinstance(spec_text, Marked)) else piece)
+            from_user = holds_user_text(value) or isinstance(spec_text, Marked)
+            out.append(UserText(piece) if piece and from_user else piece)
 
     def format_field(self, value: Any, format_spec: str) -> str:
         limits, what = self.limits, self.what

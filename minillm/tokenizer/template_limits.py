@@ -256,5 +256,5 @@ def cost(value: Any) -> int:
         total += sys.getsizeof(value._spans)
     if isinstance(value, (list, tuple, set, frozenset, dict)):
         items = [*value.keys(), *value.values()] if isinstance(value, dict) else value
-        total += sum(map(sys.getsizeof, dict(zip(map(id, items), items)).values()))
+        total += sum(map(sys.getsizeof, dict(zip(map(id, items), items, strict=True)).values()))
     return total

@@ -209,12 +209,12 @@ def mark_all(value: Any, depth: int = 0) -> Any:
         return value
     if isinstance(value, (list, tuple)):
         items = [mark_all(item, depth + 1) for item in value]
-        if all(new is old for new, old in zip(items, value)):
+        if all(new is old for new, old in zip(items, value, strict=True)):
             return value
         return items if isinstance(value, list) else tuple(items)
     if isinstance(value, dict):
         pairs = [(mark_all(key, depth + 1), mark_all(item, depth + 1)) for key, item in value.items()]
-        if all(k is k0 and v is v0 for (k, v), (k0, v0) in zip(pairs, value.items())):
+        if all(k is k0 and v is v0 for (k, v), (k0, v0) in zip(pairs, value.items(), strict=True)):
             return value
         return dict(pairs)
     return value
