@@ -40,6 +40,7 @@ from minillm.tokenizer.template_format import format_method, printf
 from minillm.tokenizer.template_limits import Limits, TemplateError, held_size, text_size
 from minillm.tokenizer.user_text import Marked, MixedText, UserText, holds_user_text, join_marked, mark_all, plain
 
+# How many characters a string method can make of one of its receiver's ("ﬃ".upper() is "FFI").
 _STR_GROWTH = {"upper": 3, "lower": 3, "title": 3, "capitalize": 3, "swapcase": 3, "casefold": 3, "encode": 10}
 _SUBSTRING_METHODS = frozenset({"strip", "lstrip", "rstrip", "removeprefix", "removesuffix"})
 
