@@ -13,7 +13,9 @@ messages (``spans``: start, end, start, end, ... in an ``array``).
 Marking is exact where the result's characters can be traced (concatenation, slicing, ``join``,
 formatting, stripping) and whole otherwise: ``upper()`` of a string holding any user text is
 user text throughout. That can only turn template text into user text, never the reverse, so
-it fails closed.
+it fails closed. Numbers carry no mark: a template that computes a number from a message
+(``|length``) and spells text with it (``'%c' % n``, an index into its own alphabet) writes
+that text itself, as it could write any turn it likes.
 """
 
 from __future__ import annotations
