@@ -25,7 +25,7 @@ import regex
 
 from minillm.tokenizer.bytes_unicode import bytes_to_token
 from minillm.tokenizer.chat import encode_chat, render_chat
-from minillm.tokenizer.checks import as_id_list, check_ids, lone_surrogate_error
+from minillm.tokenizer.checks import as_id_list, check_ids, lone_surrogate_error, short, short_repr
 from minillm.tokenizer.formats import read_tokenizer_file
 from minillm.tokenizer.padding import BatchEncoding, pad_batch
 from minillm.tokenizer.pretokenize import PreTokenizer, time_budget
@@ -82,7 +82,7 @@ class Tokenizer:
     ) -> None:
         for i in [*vocab, *(special_tokens or {}).values()]:
             if not isinstance(i, int) or isinstance(i, bool) or i < 0:
-                raise ValueError(f"token ids must be non-negative ints, got {i!r}")
+                raise ValueError(f"token ids must be non-negative ints, got {short_repr(i)}")
         check_ids(vocab, special_tokens or {})
         self.vocab = dict(vocab)
         self.merges = list(merges)
@@ -108,12 +108,12 @@ class Tokenizer:
             merged = bytes_to_id.get(self.vocab[a] + self.vocab[b])
             if merged is None:
                 raise ValueError(
-                    f"merge #{rank} {bytes_to_token(self.vocab[a])!r} + {bytes_to_token(self.vocab[b])!r} "
+                    f"merge #{rank} {short(bytes_to_token(self.vocab[a]))} + {short(bytes_to_token(self.vocab[b]))} "
                     "produces a token that is not in the vocabulary"
                 )
             if (a, b) in self._merge_table:  # HF would keep the last rank, llama.cpp the first
                 raise ValueError(
-                    f"merge #{rank} {bytes_to_token(self.vocab[a])!r} + {bytes_to_token(self.vocab[b])!r} "
+                    f"merge #{rank} {short(bytes_to_token(self.vocab[a]))} + {short(bytes_to_token(self.vocab[b]))} "
                     f"repeats merge #{self._merge_table[(a, b)][0]}"
                 )
             self._merge_table[(a, b)] = (rank, merged)
@@ -143,7 +143,7 @@ class Tokenizer:
         if token is None:
             return None
         if token not in self.special_tokens:
-            raise ValueError(f"{role} {token!r} is not one of the special tokens")
+            raise ValueError(f"{role} {short_repr(token)} is not one of the special tokens")
         return self.special_tokens[token]
 
     # ----------------------------------------------------------------------------- encoding

@@ -10,6 +10,7 @@ a newline as ``Ċ`` (U+010A) in every GPT-2-style vocabulary.
 
 from __future__ import annotations
 
+import re
 from functools import cache
 
 
@@ -38,13 +39,22 @@ def unicode_to_bytes() -> dict[str, int]:
 
 def token_to_bytes(token: str) -> bytes:
     """Turn a vocabulary string such as ``'Ġthe'`` back into the bytes it stands for (``b' the'``)."""
-    char_to_byte = unicode_to_bytes()
-    try:
-        return bytes(char_to_byte[char] for char in token)
-    except KeyError as err:
-        raise ValueError(
-            f"token {token!r} contains {err.args[0]!r}, which is not in GPT-2's byte<->unicode map"
-        ) from None
+    outside = _outside_the_map().search(token)
+    if outside is not None:
+        shown = repr(token) if len(token) <= 60 else f"{token[:60]!r}... ({len(token)} characters)"
+        raise ValueError(f"token {shown} contains {outside.group()!r}, which is not in GPT-2's byte<->unicode map")
+    # Each character becomes the character of its byte's value, and latin-1 maps those to the bytes.
+    return token.translate(_char_to_byte_table()).encode("latin-1")
+
+
+@cache
+def _char_to_byte_table() -> dict[int, int]:
+    return {ord(char): b for char, b in unicode_to_bytes().items()}
+
+
+@cache
+def _outside_the_map() -> re.Pattern[str]:
+    return re.compile("[^" + "".join(map(re.escape, unicode_to_bytes())) + "]")
 
 
 def bytes_to_token(data: bytes) -> str:

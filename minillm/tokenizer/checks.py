@@ -7,6 +7,7 @@ A hostile file or request reaches these first, so each refusal names the problem
 from __future__ import annotations
 
 import operator
+import reprlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -49,6 +50,22 @@ def check_ids(vocab: dict[int, bytes], special_tokens: dict[str, int]) -> None:
 def short(text: str, limit: int = 60) -> str:
     """``repr(text)``, cut to about ``limit`` characters: a hostile file's token can be a megabyte."""
     return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
+
+
+# reprlib stops at each limit instead of building the whole repr and cutting it: a JSON value from
+# a hostile file can be a 10 MB string or a list nested a thousand deep.
+_SHORT = reprlib.Repr()
+_SHORT.maxstring = _SHORT.maxother = _SHORT.maxlong = 80
+_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict, _SHORT.maxtuple = 3, 6, 6, 6
+
+
+def short_repr(value: Any) -> str:
+    """A repr of any value, bounded in length and in the work it takes (for error messages)."""
+    if isinstance(value, str):
+        return short(value)
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 200:
+        return f"<an integer of about {int(value.bit_length() * 0.30103) + 1} digits>"
+    return _SHORT.repr(value)
 
 
 def as_id_list(ids: Any, caller: str = "decode()") -> list[int]:

@@ -26,9 +26,16 @@ from typing import Any
 
 from minillm.errors import FileFormatError
 from minillm.safe_io import existing_path
+from minillm.tokenizer.checks import short, short_repr
 from minillm.tokenizer.gguf_vocab import read_gguf_tokenizer
 from minillm.tokenizer.pretokenize import PreTokenizer
-from minillm.tokenizer.vocab_file import TokenizerFile, is_int, merges_from_strings, vocab_from_strings
+from minillm.tokenizer.vocab_file import (
+    TokenizerFile,
+    check_vocab_ids,
+    is_int,
+    merges_from_strings,
+    vocab_from_strings,
+)
 
 # Larger than any real tokenizer file (Llama 3's tokenizer.json is 9 MB). A sparse file can be
 # terabytes long while taking no disk space; reading it whole would exhaust memory.
@@ -75,25 +82,56 @@ def _read_text(path: Path) -> str:
 
     Opened non-blocking and checked with ``fstat`` on the open descriptor, so a path swapped
     for a FIFO after ``_is_regular_file`` looked at it still cannot block, and a (sparse) file
-    of terabytes is refused by its size before a byte is read.
+    of terabytes is refused by its size before a byte is read. The read stops one byte past the
+    size ``fstat`` gave: files under ``/proc`` and ``/sys`` say they are empty and are not
+    (``/proc/self/pagemap`` holds 8 bytes for every page of the address space), and one that
+    holds more than it says is refused. Whatever the system refuses to do names the file.
     """
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    with open(fd, "rb") as f:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise FileFormatError(f"{path}: not a regular file (a FIFO, device or socket); tokenizers are files")
-        if info.st_size > _MAX_FILE_BYTES:
-            raise FileFormatError(f"{path}: {info.st_size} bytes is too large (the limit is {_MAX_FILE_BYTES})")
-        data = f.read()
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with open(fd, "rb") as f:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise FileFormatError(f"{path}: not a regular file (a FIFO, device or socket); tokenizers are files")
+            if info.st_size > _MAX_FILE_BYTES:
+                raise FileFormatError(f"{path}: {info.st_size} bytes is too large (the limit is {_MAX_FILE_BYTES})")
+            data = f.read(info.st_size + 1)
+    except OSError as err:
+        raise FileFormatError(f"{path}: cannot be read ({err.strerror or err})") from None
+    if len(data) > info.st_size:
+        raise FileFormatError(
+            f"{path}: says it holds {info.st_size} bytes but holds more (a special file, such as those under "
+            "/proc or /sys); tokenizers are ordinary files"
+        )
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:
         raise FileFormatError(f"{path}: not UTF-8 text ({err})") from None
 
 
+class _HugeInt:
+    """A JSON integer too long to be an id or a count, kept as its digit count: ``int()`` of
+    4300+ digits raises a ValueError that cannot say which file or field it came from, and
+    anything longer than ``_MAX_INT_DIGITS`` is refused by the field that holds it instead."""
+
+    def __init__(self, digits: int) -> None:
+        self.digits = digits
+
+    def __repr__(self) -> str:
+        return f"<an integer of {self.digits} digits>"
+
+
+_MAX_INT_DIGITS = 30
+
+
+def _parse_int(text: str) -> int | _HugeInt:
+    return _HugeInt(len(text.lstrip("-"))) if len(text) > _MAX_INT_DIGITS else int(text)
+
+
 def _read_json(path: Path) -> Any:
     """Parse a JSON file, refusing duplicate keys: ``json`` keeps the last, silently, so a
-    vocabulary listing a token twice would lose one of its ids."""
+    vocabulary listing a token twice would lose one of its ids. Integers of more than 30
+    digits become ``_HugeInt``, which every field that wants an int refuses by name."""
 
     def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         obj = dict(pairs)
@@ -101,12 +139,12 @@ def _read_json(path: Path) -> Any:
             seen: set[str] = set()
             for key, _ in pairs:
                 if key in seen:
-                    raise FileFormatError(f"{path}: the key {key!r} appears twice in one JSON object")
+                    raise FileFormatError(f"{path}: the key {short(key)} appears twice in one JSON object")
                 seen.add(key)
         return obj
 
     try:
-        return json.loads(_read_text(path), object_pairs_hook=unique_keys)
+        return json.loads(_read_text(path), object_pairs_hook=unique_keys, parse_int=_parse_int)
     except json.JSONDecodeError as err:
         raise FileFormatError(f"{path}: not valid JSON ({err})") from None
     except RecursionError:
@@ -135,13 +173,14 @@ def _load_tokenizer_json(path: Path) -> TokenizerFile:
     if not isinstance(model, dict) or "vocab" not in model or "merges" not in model:
         raise FileFormatError(f"{path}: no BPE model with 'vocab' and 'merges' in it")
     if model.get("type", "BPE") != "BPE" or model.get("byte_fallback"):
-        raise FileFormatError(f"{path}: model {model.get('type')!r} is not byte-level BPE (the kind minillm reads)")
+        raise FileFormatError(f"{path}: model {short_repr(model.get('type'))} is not byte-level BPE (the kind minillm reads)")
     if not isinstance(model["vocab"], dict):
         kind = type(model["vocab"]).__name__
         raise FileFormatError(f"{path}: model.vocab must map token strings to ids, got a {kind}")
+    check_vocab_ids(path, model["vocab"], "model.vocab")  # before added_tokens, whose ids follow the vocabulary's
     special = _added_tokens(path, spec.get("added_tokens", []), model["vocab"])
     vocab = vocab_from_strings(path, model["vocab"], special, "model.vocab")
-    merges = merges_from_strings(path, model["merges"], model["vocab"])
+    merges = merges_from_strings(path, model["merges"], model["vocab"], "model.merges")
     _check_bpe_options(path, model, vocab)
     try:
         pretokenizer = PreTokenizer.from_hf(spec.get("pre_tokenizer"))
@@ -149,7 +188,7 @@ def _load_tokenizer_json(path: Path) -> TokenizerFile:
         raise FileFormatError(f"{path}: {err}") from None
     normalizer = spec.get("normalizer")
     if normalizer not in (None, {"type": "NFC"}):
-        raise FileFormatError(f"{path}: normalizer {normalizer} is not supported (only NFC)")
+        raise FileFormatError(f"{path}: normalizer {short_repr(normalizer)} is not supported (only NFC)")
 
     config_path = path.parent / "tokenizer_config.json"
     config = _read_json(config_path) if _is_regular_file(config_path) else {}
@@ -192,15 +231,15 @@ def _added_tokens(path: Path, entries: Any, model_vocab: dict[str, Any]) -> dict
     for n, entry in enumerate(entries):
         field = f"added_tokens[{n}]"
         if not isinstance(entry, dict) or not isinstance(entry.get("content"), str) or not is_int(entry.get("id")):
-            raise FileFormatError(f"{path}: {field} needs a str 'content' and an int 'id', got {entry!r}")
+            raise FileFormatError(f"{path}: {field} needs a str 'content' and an int 'id', got {short_repr(entry)}")
         content, token_id = entry["content"], entry["id"]
         if not content:
             raise FileFormatError(f"{path}: {field} (id {token_id}) has empty content, which would match everywhere")
         if content in special:
-            raise FileFormatError(f"{path}: {field} {content!r} repeats added_tokens[{where[content]}]")
+            raise FileFormatError(f"{path}: {field} {short(content)} repeats added_tokens[{where[content]}]")
         for flag in ("lstrip", "rstrip", "single_word"):
             if entry.get(flag):
-                raise FileFormatError(f"{path}: {field} {content!r} has {flag}=true, which minillm does not support")
+                raise FileFormatError(f"{path}: {field} {short(content)} has {flag}=true, which minillm does not support")
         if content in model_vocab:
             expected, rule = model_vocab[content], "its id in model.vocab"
         else:
@@ -208,7 +247,7 @@ def _added_tokens(path: Path, entries: Any, model_vocab: dict[str, Any]) -> dict
             next_id += 1
         if token_id != expected:
             raise FileFormatError(
-                f"{path}: {field} {content!r} has id {token_id}, but HF tokenizers gives it id {expected} ({rule}; "
+                f"{path}: {field} {short(content)} has id {token_id}, but HF tokenizers gives it id {expected} ({rule}; "
                 f"{len(model_vocab)} vocabulary entries, {len(entries)} added tokens)"
             )
         special[content] = token_id
@@ -220,15 +259,15 @@ def _check_bpe_options(path: Path, model: dict[str, Any], vocab: dict[int, bytes
     """Refuse BPE model options that would change HF's ids in ways minillm does not implement."""
     for key in ("continuing_subword_prefix", "end_of_word_suffix"):
         if model.get(key) not in (None, ""):
-            raise FileFormatError(f"{path}: model.{key}={model[key]!r} is not supported (byte-level BPE has none)")
+            raise FileFormatError(f"{path}: model.{key}={short_repr(model[key])} is not supported (byte-level BPE has none)")
     if model.get("dropout") not in (None, 0, 0.0):
-        raise FileFormatError(f"{path}: model.dropout={model['dropout']!r} is not supported (it makes encoding random)")
+        raise FileFormatError(f"{path}: model.dropout={short_repr(model['dropout'])} is not supported (it makes encoding random)")
     if model.get("unk_token") is not None:
         single_bytes = {data for data in vocab.values() if len(data) == 1}
         missing = [b for b in range(256) if bytes([b]) not in single_bytes]
         if missing:  # HF would emit unk_token for these bytes; minillm drops them (as HF does without one)
             raise FileFormatError(
-                f"{path}: model.unk_token={model['unk_token']!r} with {len(missing)} bytes missing from the "
+                f"{path}: model.unk_token={short_repr(model['unk_token'])} with {len(missing)} bytes missing from the "
                 f"vocabulary (e.g. 0x{missing[0]:02x}) is not supported"
             )
 
@@ -243,9 +282,9 @@ def _chat_template(path: Path, value: Any) -> str | None:
         named = {t.get("name"): t["template"] for t in value}
         if "default" in named:
             return named["default"]
-        names = sorted(map(str, named))
-        raise FileFormatError(f"{path}: chat_template lists templates {names} but none named 'default'")
-    raise FileFormatError(f"{path}: chat_template must be a str or a list of {{name, template}}, got {value!r}"[:300])
+        names = sorted(map(short_repr, named))
+        raise FileFormatError(f"{path}: chat_template lists templates {short_repr(names)} but none named 'default'")
+    raise FileFormatError(f"{path}: chat_template must be a str or a list of {{name, template}}, got {short_repr(value)}")
 
 
 def _token_name(value: Any) -> str | None:

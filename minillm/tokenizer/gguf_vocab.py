@@ -7,6 +7,7 @@ from typing import Any
 
 from minillm.errors import FileFormatError
 from minillm.gguf_io import gguf_fields, open_gguf
+from minillm.tokenizer.checks import short, short_repr
 from minillm.tokenizer.pretokenize import GGUF_PRE_PATTERNS, PreTokenizer
 from minillm.tokenizer.vocab_file import TokenizerFile, is_int, merges_from_strings, vocab_from_strings
 
@@ -30,11 +31,11 @@ def gguf_tokenizer_file(path: Path, fields: dict[str, Any]) -> TokenizerFile:
 
     kind = need("tokenizer.ggml.model")
     if kind != "gpt2":
-        raise FileFormatError(f"{path}: tokenizer model {kind!r} is not supported (minillm reads byte-level BPE, 'gpt2')")
+        raise FileFormatError(f"{path}: tokenizer model {short_repr(kind)} is not supported (minillm reads byte-level BPE, 'gpt2')")
     pre = fields.get("tokenizer.ggml.pre", "default")
     if not isinstance(pre, str) or pre not in GGUF_PRE_PATTERNS:
         raise FileFormatError(
-            f"{path}: pre-tokenizer {pre!r} is not supported (known: {', '.join(sorted(GGUF_PRE_PATTERNS))})"
+            f"{path}: pre-tokenizer {short_repr(pre)} is not supported (known: {', '.join(sorted(GGUF_PRE_PATTERNS))})"
         )
     tokens = need("tokenizer.ggml.tokens")
     if not isinstance(tokens, list) or not all(isinstance(token, str) for token in tokens):
@@ -50,12 +51,12 @@ def gguf_tokenizer_file(path: Path, fields: dict[str, Any]) -> TokenizerFile:
     for i, token in enumerate(tokens):
         if token in token_to_id:
             raise FileFormatError(
-                f"{path}: tokenizer.ggml.tokens[{i}] {token!r} repeats tokenizer.ggml.tokens[{token_to_id[token]}]"
+                f"{path}: tokenizer.ggml.tokens[{i}] {short(token)} repeats tokenizer.ggml.tokens[{token_to_id[token]}]"
             )
         token_to_id[token] = i
     special = {tokens[i]: i for i, t in enumerate(types) if t in (GGUF_CONTROL, GGUF_USER_DEFINED)}
     vocab = vocab_from_strings(path, token_to_id, special, "tokenizer.ggml.tokens")
-    merges = merges_from_strings(path, need("tokenizer.ggml.merges"), token_to_id)
+    merges = merges_from_strings(path, need("tokenizer.ggml.merges"), token_to_id, "tokenizer.ggml.merges")
 
     def role(key: str) -> str | None:
         field = f"tokenizer.ggml.{key}_token_id"
@@ -63,7 +64,7 @@ def gguf_tokenizer_file(path: Path, fields: dict[str, Any]) -> TokenizerFile:
         if i is None:
             return None
         if not is_int(i) or not 0 <= i < len(tokens):
-            raise FileFormatError(f"{path}: {field} is {i!r}, not an id below the {len(tokens)} tokens")
+            raise FileFormatError(f"{path}: {field} is {short_repr(i)}, not an id below the {len(tokens)} tokens")
         return tokens[i] if tokens[i] in special else None
 
     chat_template = fields.get("tokenizer.chat_template")
@@ -85,5 +86,10 @@ def gguf_tokenizer_file(path: Path, fields: dict[str, Any]) -> TokenizerFile:
 
 
 def read_gguf_tokenizer(path: Path) -> TokenizerFile:
-    """The tokenizer of the GGUF file at ``path``."""
-    return gguf_tokenizer_file(path, gguf_fields(open_gguf(path)))
+    """The tokenizer of the GGUF file at ``path``. What the system refuses to do with the file
+    (``/proc/self/pagemap`` behind a symlink cannot even be measured) names it."""
+    try:
+        fields = gguf_fields(open_gguf(path))
+    except OSError as err:
+        raise FileFormatError(f"{path}: cannot be read as a GGUF file ({err.strerror or err})") from None
+    return gguf_tokenizer_file(path, fields)

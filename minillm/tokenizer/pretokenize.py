@@ -24,6 +24,17 @@ from typing import Any
 
 import regex
 
+from minillm.tokenizer.checks import short, short_repr
+
+try:  # the pure-Python parser behind regex.compile (see compiled_size)
+    from regex import _regex_core as _core
+
+    _core_names = ("Source", "Info", "_parse_pattern", "_UnscopedFlagSet", "RegexBase", "GreedyRepeat", "CallGroup")
+    if not all(hasattr(_core, name) for name in (*_core_names, "VERBOSE", "VERSION1", "DEFAULT_VERSION")):
+        _core = None  # pragma: no cover (a regex release that reorganised its internals)
+except ImportError:  # pragma: no cover
+    _core = None
+
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 LLAMA3_PATTERN = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"""
@@ -54,10 +65,15 @@ _REGEX_BASE_SECONDS = 0.5
 _REGEX_SECONDS_PER_CHAR = 4e-6
 
 # ``regex.compile`` unrolls the minimum count of a repeat: ``a{1000}`` becomes 1000 nodes of
-# ~300 bytes, and nested repeats multiply, so ``(?:(?:(?:a{100}){100}){100}){100}`` (34
-# characters) asks for 30 GB. Patterns are refused above this many unrolled atoms.
-_MAX_UNROLLED_ATOMS = 100_000
-_QUANTIFIER = regex.compile(r"\{([0-9]*)(?:,[0-9]*)?\}")
+# 100-600 bytes, and nested repeats multiply, so ``(?:(?:(?:a{100}){100}){100}){100}`` (34
+# characters) asks for 30 GB. ``compiled_size`` counts the nodes before anything is compiled, and
+# patterns are refused above this many (about 60 MB). Parsing itself takes ~3 us a character, so
+# a pattern is refused above a length too (real ones are a few hundred characters).
+_MAX_COMPILED_NODES = 100_000
+_MAX_PATTERN_CHARS = 20_000
+# Nodes that cost the compiled pattern several times an ordinary one (measured: ``\X`` 1.2 kB, a
+# repeat nested in a repeat 0.6 kB, a character 0.26 kB).
+_NODE_WEIGHTS = {"Grapheme": 5, "GreedyRepeat": 2, "LazyRepeat": 2, "PossessiveRepeat": 2}
 
 
 def _seconds_left(deadline: float | None) -> float | None:
@@ -84,17 +100,13 @@ class PreTokenizer:
 
     def __post_init__(self) -> None:
         if not isinstance(self.pattern, str):
-            raise TypeError(f"the pre-tokenizer pattern must be a str, got {self.pattern!r}")
-        atoms = _unrolled_atoms(self.pattern)
-        if atoms > _MAX_UNROLLED_ATOMS:
-            raise ValueError(
-                f"the pre-tokenizer pattern {self.pattern[:100]!r} repeats too much: compiling it would unroll "
-                f"about {atoms} atoms (the limit is {_MAX_UNROLLED_ATOMS})"
-            )
+            raise TypeError(f"the pre-tokenizer pattern must be a str, got {short_repr(self.pattern)}")
+        if self.pattern not in _LINEAR_PATTERNS:
+            check_compiled_size(self.pattern)
         try:
             compiled = regex.compile(self.pattern)
-        except regex.error as err:
-            raise ValueError(f"the pre-tokenizer pattern {self.pattern!r} does not compile: {err}") from None
+        except Exception as err:  # noqa: BLE001 (regex.error, or KeyError for an unknown \\L<list>)
+            raise ValueError(f"the pre-tokenizer pattern {short(self.pattern)} does not compile: {err}") from None
         object.__setattr__(self, "_compiled", compiled)
 
     def split(self, text: str) -> list[str]:
@@ -108,7 +120,7 @@ class PreTokenizer:
                     chunks.extend(self._split_piece(piece, deadline))
         except TimeoutError:
             raise ValueError(
-                f"the pre-tokenizer pattern {self.pattern!r} took over "
+                f"the pre-tokenizer pattern {short(self.pattern)} took over "
                 f"{time_budget(len(text)):.2f} s on {len(text)} characters of text "
                 "(a pattern that backtracks catastrophically; it comes with the tokenizer file)"
             ) from None
@@ -161,11 +173,11 @@ class PreTokenizer:
         Errors name the offending step as its JSON path (``pre_tokenizer.pretokenizers[0]``).
         """
         if not isinstance(spec, dict):
-            raise ValueError(f"pre_tokenizer must be a byte-level pre-tokenizer object, got {spec!r}")
+            raise ValueError(f"pre_tokenizer must be a byte-level pre-tokenizer object, got {short_repr(spec)}")
         if spec.get("type") == "Sequence":
             steps = spec.get("pretokenizers")
             if not isinstance(steps, list):
-                raise ValueError(f"pre_tokenizer.pretokenizers must be a list, got {steps!r}")
+                raise ValueError(f"pre_tokenizer.pretokenizers must be a list, got {short_repr(steps)}")
             named = [(f"pre_tokenizer.pretokenizers[{n}]", step) for n, step in enumerate(steps)]
         else:
             named = [("pre_tokenizer", spec)]
@@ -175,7 +187,7 @@ class PreTokenizer:
         saw_byte_level = False
         for where, step in named:
             if not isinstance(step, dict):
-                raise ValueError(f"{where} {step!r} is not an object")
+                raise ValueError(f"{where} {short_repr(step)} is not an object")
             kind = step.get("type")
             if kind == "ByteLevel":
                 if step.get("add_prefix_space"):
@@ -189,9 +201,9 @@ class PreTokenizer:
             elif kind == "Digits" and step.get("individual_digits"):
                 individual_digits = True
             else:
-                raise ValueError(f"{where}: pre-tokenizer step {kind!r} is not supported (byte-level BPE only)")
+                raise ValueError(f"{where}: pre-tokenizer step {short_repr(kind)} is not supported (byte-level BPE only)")
         if not saw_byte_level or pattern is None:
-            raise ValueError(f"pre-tokenizer {spec} is not a byte-level BPE pre-tokenizer")
+            raise ValueError(f"pre-tokenizer {short_repr(spec)} is not a byte-level BPE pre-tokenizer")
         try:
             return cls(pattern, individual_digits)
         except ValueError as err:
@@ -202,52 +214,118 @@ def _split_regex(where: str, step: dict[str, Any]) -> str:
     """The regex of a ``Split`` step; only the behaviour ``split()`` implements is accepted."""
     spec = step.get("pattern")
     if not isinstance(spec, dict) or not isinstance(spec.get("Regex"), str):
-        raise ValueError(f"{where}.pattern must be {{\"Regex\": \"...\"}} (a str regex), got {spec!r}")
+        raise ValueError(f"{where}.pattern must be {{\"Regex\": \"...\"}} (a str regex), got {short_repr(spec)}")
     if step.get("behavior") != "Isolated" or step.get("invert"):
         raise ValueError(
-            f"{where}: Split with behavior={step.get('behavior')!r}, invert={step.get('invert')!r} is not "
+            f"{where}: Split with behavior={short_repr(step.get('behavior'))}, invert={short_repr(step.get('invert'))} is not "
             "supported (minillm implements behavior='Isolated', invert=false)"
         )
     return spec["Regex"]
 
 
-def _unrolled_atoms(pattern: str) -> int:
-    """About how many atoms ``regex.compile`` builds for ``pattern``: each literal, escape,
-    class or ``.`` counts 1, times the minimum count of every repeat around it (``{m}``,
-    ``{m,n}``; ``*``, ``+`` and ``?`` need at most one copy). A scan, not a parser: ``(?:``
-    and the like count as a few literals, which only overestimates a little."""
-    groups = [0]  # atoms of each open group, innermost last
-    last = 0  # atoms of the item a quantifier right here would repeat
-    i = 0
-    while i < len(pattern):
-        char = pattern[i]
-        if char == "\\":  # an escape; \p{L}, \N{...}, \x{...} carry their own braces
-            i += 2
-            if pattern[i - 1 : i] in ("p", "P", "N", "x") and pattern[i : i + 1] == "{":
-                i = pattern.find("}", i) + 1 or len(pattern)
-            last = 1
-        elif char == "[":  # a class: one atom, whatever it lists
-            i += 2 if pattern[i + 1 : i + 2] == "]" else 1
-            while i < len(pattern) and pattern[i] != "]":
-                i += 2 if pattern[i] == "\\" else 1
-            i += 1
-            last = 1
-        elif char == "(":
-            groups.append(0)
-            i += 1
-            continue
-        elif char == ")" and len(groups) > 1:
-            last = groups.pop()
-            i += 1
-        elif char == "{" and (quantifier := _QUANTIFIER.match(pattern, i)):
-            groups[-1] += last * (max(int(quantifier.group(1) or 0), 1) - 1)
-            i = quantifier.end()
-            continue
-        else:
-            i += 1
-            last = 0 if char in "|*+?" else 1
-        groups[-1] += last
-    return sum(groups)
+def check_compiled_size(pattern: str) -> None:
+    """Refuse ``pattern`` if ``regex.compile`` would build more than ``_MAX_COMPILED_NODES`` nodes."""
+    if len(pattern) > _MAX_PATTERN_CHARS:
+        raise ValueError(
+            f"the pre-tokenizer pattern {short(pattern)} is {len(pattern)} characters long "
+            f"(the limit is {_MAX_PATTERN_CHARS})"
+        )
+    nodes = compiled_size(pattern)
+    if nodes > _MAX_COMPILED_NODES:
+        raise ValueError(
+            f"the pre-tokenizer pattern {short(pattern)} repeats too much: compiling it would build about "
+            f"{nodes} nodes (the limit is {_MAX_COMPILED_NODES})"
+        )
+
+
+def compiled_size(pattern: str) -> int:
+    """About how many nodes ``regex.compile(pattern)`` builds, counted before anything is compiled.
+
+    The pattern is parsed by the ``regex`` module's own parser, the pure-Python first half of
+    ``regex.compile`` (``_regex_core``), exactly as ``regex.compile`` calls it: comments
+    ``(?#...)``, verbose mode (``(?x)`` anywhere in the pattern switches it on for all of it,
+    and ``regex`` then parses again), escapes, classes, version-1 set operations and fuzzy
+    constraints are read as the engine reads them, so no spelling can hide a group or a repeat.
+    Parsing is linear and builds a tree with one node per item; the C half is what unrolls
+    repeats, so the tree's nodes are counted, every repeat multiplying its body by its minimum
+    count (``{m}``, ``{m,n}``, ``+``; the copies up to the maximum are not built). A group
+    called by ``(?1)`` or ``(?R)`` may be compiled again for a lookbehind or a fuzzy match, so
+    each distinct call target adds four copies of everything.
+
+    Why this and not a test compile in a child process under a memory limit: a child costs a
+    process start per load, its memory limit does not hold on macOS or Windows, and a refusal
+    from it could only say "out of memory". The count is exact about syntax and explains what
+    it refused. ``_regex_core`` is internal to ``regex``: if a new version renames what is used
+    here, every pattern but the built-in ones is refused, loudly, until this is updated.
+    """
+    try:
+        tree, calls = _parse_like_regex(pattern)
+    except regex.error:
+        return 0  # regex.compile fails in the same parser, before building anything
+    except RecursionError:
+        raise ValueError(f"the pre-tokenizer pattern {short(pattern)} nests groups too deeply") from None
+    except ValueError as err:  # a repeat count of thousands of digits: int() refuses it
+        raise ValueError(f"the pre-tokenizer pattern {short(pattern)} does not compile: {err}") from None
+    sizes: dict[int, int] = {}
+
+    def size(node: Any) -> int:
+        known = sizes.get(id(node))
+        if known is not None:
+            return known
+        body = sum(size(child) for child in _children(node))
+        own = _NODE_WEIGHTS.get(type(node).__name__, 1)
+        total = own + body * max(node.min_count, 1) if isinstance(node, _core.GreedyRepeat) else own + body
+        sizes[id(node)] = total
+        return total
+
+    try:
+        nodes = size(tree)
+    except RecursionError:
+        raise ValueError(f"the pre-tokenizer pattern {short(pattern)} nests groups too deeply") from None
+    return nodes * (1 + 4 * calls)
+
+
+def _parse_like_regex(pattern: str) -> tuple[Any, int]:
+    """The parse tree ``regex.compile`` builds for ``pattern`` (with no flags), and how many
+    distinct groups it calls. The loop is ``regex._main._compile``'s: a flag set globally in
+    the middle of the pattern (``(?x)``) makes it parse again from the start with that flag."""
+    if _core is None:
+        raise ValueError(
+            f"regex {regex.__version__} changed the internals that minillm uses to check the size of a pattern "
+            "before compiling it; only the built-in GPT-2, Llama 3 and Qwen2 patterns can be used"
+        )
+    _core.DEFAULT_VERSION = regex.DEFAULT_VERSION  # as regex.compile does before parsing
+    flags = 0
+    while True:
+        source = _core.Source(pattern)
+        info = _core.Info(flags, source.char_type, {})
+        source.ignore_space = bool(info.flags & _core.VERBOSE)
+        source.use_unicode_space(bool(info.flags & _core.VERSION1))
+        try:
+            tree = _core._parse_pattern(source, info)
+            break
+        except _core._UnscopedFlagSet:
+            flags = info.global_flags
+    calls = set()
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, _core.CallGroup):
+            calls.add(node.group)
+        stack.extend(_children(node))
+    return tree, len(calls)
+
+
+def _children(node: Any) -> list[Any]:
+    """The nodes a parse-tree node holds, whatever its kind: its attributes that are nodes, or
+    lists or tuples of nodes (a sequence's items, a branch's branches, a set's members)."""
+    found = []
+    for value in vars(node).values():
+        if isinstance(value, _core.RegexBase):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            found.extend(item for item in value if isinstance(item, _core.RegexBase))
+    return found
 
 
 def _only_one(current: str | None, new: str) -> str:

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 from minillm.errors import FileFormatError
 from minillm.tokenizer.bytes_unicode import token_to_bytes
+from minillm.tokenizer.checks import short, short_repr
 
 T = TypeVar("T")
 
@@ -48,36 +49,47 @@ def vocab_from_strings(path: Path, token_to_id: Any, special: dict[str, int], fi
     """
     if not isinstance(token_to_id, dict):
         raise FileFormatError(f"{path}: {field} must map token strings to ids, got a {type(token_to_id).__name__}")
+    check_vocab_ids(path, token_to_id, field)
     vocab: dict[int, bytes] = {}
     for token, i in token_to_id.items():
-        if not isinstance(i, int) or isinstance(i, bool) or i < 0:
-            raise FileFormatError(f"{path}: {field}: the id of token {token!r} is {i!r}, not a non-negative int")
         if i >= len(token_to_id):
             raise FileFormatError(
-                f"{path}: {field}: token {token!r} has id {i}, but the vocabulary has {len(token_to_id)} entries "
+                f"{path}: {field}: token {short(token)} has id {i}, but the vocabulary has {len(token_to_id)} entries "
                 f"(ids must be 0..{len(token_to_id) - 1})"
             )
         if i in vocab:
-            raise FileFormatError(f"{path}: {field}: id {i} is given to two tokens (one is {token!r})")
+            raise FileFormatError(f"{path}: {field}: id {i} is given to two tokens (one is {short(token)})")
         try:
             vocab[i] = token_to_bytes(token)
         except ValueError as err:
             if token in special:  # e.g. a special token written with non-byte-level characters
                 continue
-            raise FileFormatError(f"{path}: {err}") from None
+            raise FileFormatError(f"{path}: {field}: {err}") from None
     return vocab
 
 
-def merges_from_strings(path: Path, lines: Any, token_to_id: dict[str, int]) -> list[tuple[int, int]]:
+def check_vocab_ids(path: Path, token_to_id: dict[str, Any], field: str) -> None:
+    """Refuse an id that is not a non-negative int (a float, a string, ``<an integer of 100000 digits>``)."""
+    for token, i in token_to_id.items():
+        if not is_int(i) or i < 0:
+            raise FileFormatError(f"{path}: {field}: the id of token {short(token)} is {short_repr(i)}, not a non-negative int")
+
+
+def merges_from_strings(
+    path: Path, lines: Any, token_to_id: dict[str, int], field: str | None = None
+) -> list[tuple[int, int]]:
+    """id pairs of merges written as ``"a b"`` strings or ``["a", "b"]`` pairs; ``field`` (a JSON
+    path or GGUF key) names the list in errors, which always give the merge's number too."""
     if not isinstance(lines, list):
-        raise FileFormatError(f"{path}: merges must be a list, got a {type(lines).__name__}")
+        raise FileFormatError(f"{path}: {field or 'merges'} must be a list, got a {type(lines).__name__}")
     merges: list[tuple[int, int]] = []
     for n, line in enumerate(lines):
+        where = f"{field}[{n}] (merge #{n})" if field else f"merge #{n}"
         parts = line.split(" ") if isinstance(line, str) else line
         if not isinstance(parts, list) or len(parts) != 2 or not all(isinstance(part, str) for part in parts):
-            raise FileFormatError(f"{path}: merge #{n} {line!r} is not a pair of tokens")
+            raise FileFormatError(f"{path}: {where} {short_repr(line)} is not a pair of tokens")
         a, b = parts
         if a not in token_to_id or b not in token_to_id:
-            raise FileFormatError(f"{path}: merge #{n} {line!r} uses a token that is not in the vocabulary")
+            raise FileFormatError(f"{path}: {where} {short_repr(line)} uses a token that is not in the vocabulary")
         merges.append((token_to_id[a], token_to_id[b]))
     return merges

@@ -14,6 +14,8 @@ from minillm import FileFormatError, Tokenizer
 from minillm.assets import default_gguf_path
 from minillm.tokenizer.bytes_unicode import bytes_to_unicode
 
+from helpers.tokenizer_files import fails_cheaply
+
 BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
 
 
@@ -260,3 +262,77 @@ def test_gguf_merge_of_unknown_token(tmp_path):
     path = _write_gguf(tmp_path / "badmerge.gguf", fill)
     with pytest.raises(FileFormatError, match=r"badmerge\.gguf.*merge #0"):
         Tokenizer.from_file(path)
+
+
+# --------------------------------------------------------------------------- special files, oversized fields
+SPECIAL_FILES = ["/proc/self/pagemap", "/proc/self/status", "/proc/cpuinfo", "/proc/self/mem"]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/pagemap"), reason="needs Linux's /proc")
+@pytest.mark.parametrize("target", SPECIAL_FILES)
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json", "encoder.json", "vocab.bpe", "model.gguf"])
+def test_a_special_file_behind_a_tokenizer_name_is_an_error_naming_it(tmp_path, target, name):
+    """Files under /proc say they are empty (``stat``: a regular file of 0 bytes) and are not:
+    reading /proc/self/pagemap raised a bare ``OSError: [Errno 22]`` without a path."""
+    if name == "tokenizer_config.json":
+        (tmp_path / "tokenizer.json").write_text(_bpe_spec())
+    if name in ("encoder.json", "vocab.bpe"):
+        _gpt2_folder(tmp_path, json.dumps({"a": 0, "b": 1, "ab": 2}), "#version: 0.2\na b\n")
+        (tmp_path / name).unlink()
+    os.symlink(target, tmp_path / name)
+    loaded = tmp_path / name if name in ("tokenizer.json", "model.gguf") else tmp_path
+    fails_cheaply(lambda: Tokenizer.from_file(loaded), FileFormatError, str(tmp_path / name))
+
+
+def _with_vocab_entry(entry: str) -> str:
+    """The base spec with ``entry`` (raw JSON text) added first in model.vocab."""
+    return _bpe_spec().replace('"vocab": {', '"vocab": {' + entry + ", ", 1)
+
+
+HUGE = "9" * 100_000
+BIG_TOKEN = "Ġ" * 5_000_000  # 10 MB of UTF-8
+OVERSIZED_FIELDS = {
+    "vocab id of 100k digits": (_with_vocab_entry(f'"zz": {HUGE}'),
+                                ["model.vocab", "'zz'", "<an integer of 100000 digits>"]),
+    "negative vocab id of 100k digits": (_with_vocab_entry(f'"zz": -{HUGE}'), ["model.vocab", "100000 digits"]),
+    "added token id of 100k digits": (
+        _bpe_spec(added_tokens=[{"content": "<x>", "id": 0}]).replace('"id": 0', f'"id": {HUGE}'),
+        ["added_tokens[0]", "100000 digits"]),
+    "merges entry of 1 MB that is no pair": (
+        _bpe_spec(model=_model({"a": 0, "b": 1, "ab": 2}, ["a b", "a " * 500_000])),
+        ["model.merges[1]", "merge #1", "is not a pair"]),
+    "merges entry of 1 MB with an unknown token": (
+        _bpe_spec(model=_model({"a": 0, "b": 1, "ab": 2}, ["a " + "b" * 1_000_000])),
+        ["model.merges[0]", "not in the vocabulary"]),
+    "token of 10 MB outside the byte map": (
+        _bpe_spec(model=_model({"a": 0, "b": 1, "ab": 2, BIG_TOKEN + " ": 3}, ["a b"])),
+        ["model.vocab", "5000001 characters", "' '"]),
+    "token of 10 MB repeated": (_with_vocab_entry(f'"{BIG_TOKEN}": 0, "{BIG_TOKEN}": 1'), ["appears twice"]),
+    "model type of 10 MB": (_bpe_spec(model={"type": "X" * 10_000_000, "vocab": {}, "merges": []}), ["model 'XXX"]),
+    "pre-tokenizer of 10 MB": (_bpe_spec(pre_tokenizer={"type": "Y" * 10_000_000}), ["pre_tokenizer"]),
+    "pre-tokenizer nested 500 deep": (_bpe_spec(pre_tokenizer=json.loads("[" * 500 + "]" * 500)), ["pre_tokenizer"]),
+    "merges nested 100k deep": (_bpe_spec().replace('"merges": ["a b"]', '"merges": ' + "[" * 100_000 + "]" * 100_000),
+                                ["nested too deeply"]),
+}
+
+
+@pytest.mark.parametrize("content, fragments", OVERSIZED_FIELDS.values(), ids=OVERSIZED_FIELDS.keys())
+def test_an_oversized_field_is_an_error_naming_the_file_and_the_field_shortly(tmp_path, content, fragments):
+    """Each error names the file and the field, and shows the value cut short: a message holding
+    a 10 MB token, or int() failing on 100k digits without saying where, is no error message."""
+    path = tmp_path / "tokenizer.json"
+    path.write_text(content, encoding="utf-8")
+    fails_cheaply(lambda: Tokenizer.from_file(path), FileFormatError, str(path), *fragments)
+
+
+def test_an_oversized_config_field_is_named_shortly(tmp_path):
+    (tmp_path / "tokenizer.json").write_text(_bpe_spec())
+    names = [{"name": "n" * 1_000_000 + str(k), "template": "T"} for k in range(20)]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": names}))
+    fails_cheaply(lambda: Tokenizer.from_file(tmp_path), FileFormatError, "tokenizer_config.json", "chat_template",
+                  "none named 'default'")
+
+
+def test_an_oversized_merge_line_in_vocab_bpe_is_named_shortly(tmp_path):
+    folder = _gpt2_folder(tmp_path, json.dumps({"a": 0, "b": 1, "ab": 2}), "#version: 0.2\na b\n" + "a " * 500_000)
+    fails_cheaply(lambda: Tokenizer.from_file(folder), FileFormatError, "vocab.bpe", "merge #1", "is not a pair")

@@ -10,14 +10,12 @@ timing test is a ratio against HF measured in the same run).
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import random
 import string
 import threading
 import tracemalloc
-from pathlib import Path
 
 import pytest
 import regex
@@ -30,6 +28,7 @@ from minillm.tokenizer import bpe
 from minillm.tokenizer.bytes_unicode import bytes_to_unicode
 
 from helpers.tokenizer_cases import hf_chat_ids, hf_ids, smol_safe_char
+from helpers.tokenizer_files import added, refuses, split_spec, write_spec
 
 
 def random_letters(n: int, seed: int = 0, alphabet: str = string.ascii_lowercase) -> str:
@@ -355,43 +354,6 @@ def test_rendering_restores_the_previous_trace_function(trained):
         sys.settrace(previous)
 
 
-# --------------------------------------------------------------------------- files: helpers
-@pytest.fixture(scope="module")
-def trained_spec(trained, tmp_path_factory) -> dict:
-    """The small trained tokenizer as a tokenizer.json dict, to break one field at a time."""
-    folder = tmp_path_factory.mktemp("spec")
-    trained.save(folder)
-    return json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
-
-
-def write_spec(folder, spec, **changes) -> Path:
-    spec = copy.deepcopy(spec)
-    for key, value in changes.items():
-        target = spec
-        *parents, last = key.split("__")
-        for parent in parents:
-            target = target[parent]
-        target[last] = value
-    path = folder / "tokenizer.json"
-    path.write_text(json.dumps(spec), encoding="utf-8")
-    return path
-
-
-def added(content: str, token_id: int, **flags) -> dict:
-    entry = {"id": token_id, "content": content, "single_word": False, "lstrip": False, "rstrip": False}
-    return {**entry, "normalized": False, "special": True, **flags}
-
-
-def refuses(path, *fragments):
-    """Loading ``path`` is a FileFormatError whose message names the file and every fragment."""
-    with pytest.raises(FileFormatError) as err:
-        Tokenizer.from_file(path)
-    message = str(err.value)
-    for fragment in [str(path), *fragments]:
-        assert fragment in message, f"{fragment!r} not in {message!r}"
-    return message
-
-
 # --------------------------------------------------------------------------- 3. unbounded allocations
 def test_added_token_with_a_huge_id_is_refused_before_allocating(tmp_path, trained_spec):
     """One added token with id 10**8 once asked for a 791 MB id table from a small file."""
@@ -450,12 +412,6 @@ def test_constructor_refuses_ids_beyond_the_number_of_tokens(vocab, special):
 
 
 # --------------------------------------------------------------------------- 4. inconsistent files
-def split_spec(spec, pattern, **split_options):
-    step = {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False, **split_options}
-    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
-    return {**spec, "pre_tokenizer": {"type": "Sequence", "pretokenizers": [step, byte_level]}}
-
-
 def test_split_regex_that_misses_text_keeps_it_like_hf(tmp_path, trained_spec):
     """'hello, world 42!' with a letters-only Split: HF keeps ', ' and ' 42!' as pieces."""
     path = write_spec(tmp_path, split_spec(trained_spec, r"\p{L}+"))
@@ -787,40 +743,6 @@ def test_pathological_special_tokens_fail_fast_and_clearly(trained):
     tok = Tokenizer(trained.vocab, trained.merges, specials)
     with pytest.raises(ValueError, match=r"999 special tokens \(999 different lengths\) in 20000 characters"):
         tok.encode("<" * 20_000)
-
-
-# --------------------------------------------------------------------------- regexes that explode when compiled
-@pytest.mark.parametrize(
-    "pattern, atoms",
-    [
-        ("(?:(?:(?:a{100}){100}){100}){100}", 101_010_100),
-        ("(?:a{65535}){65535}", 65536 * 65535),
-        ("a{4294967294}", 4294967294),
-    ],
-    ids=["nested-repeats", "two-big-repeats", "one-huge-repeat"],
-)
-def test_split_regex_that_unrolls_to_gigabytes_is_refused_before_compiling(tmp_path, trained_spec, pattern, atoms):
-    """regex.compile unrolls minimum repeat counts: these 12-34 character patterns ask for
-    gigabytes (the first one got this test process killed before the check existed)."""
-    path = write_spec(tmp_path, split_spec(trained_spec, pattern))
-    tracemalloc.start()
-    try:
-        refuses(path, "pre_tokenizer.pretokenizers[0].pattern.Regex", "repeats too much", f"about {atoms} atoms")
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-    assert peak < 50 << 20
-
-
-def test_the_unrolled_size_of_real_patterns_is_small():
-    # The estimate is a private helper of the pre-tokenizer: publicly it only shows as a refusal
-    # (above); here its numbers are checked on patterns that must pass, far from the limit.
-    from minillm.tokenizer.pretokenize import _MAX_UNROLLED_ATOMS, GGUF_PRE_PATTERNS, _unrolled_atoms
-
-    assert all(_unrolled_atoms(pattern) < 100 for pattern in GGUF_PRE_PATTERNS.values())
-    assert _unrolled_atoms(r"\p{N}{1,3}") == 1 and _unrolled_atoms(r"(?:ab){3}") == 9  # "?:" counts as a literal
-    assert _unrolled_atoms(r"[a{99}]\{99\}") < 10  # braces inside classes and escaped are literal
-    assert _MAX_UNROLLED_ATOMS >= 100_000
 
 
 def test_a_sparse_file_of_a_terabyte_is_refused_by_its_size(tmp_path):
