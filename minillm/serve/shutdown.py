@@ -1,0 +1,95 @@
+"""How the server stops: refuse new requests, let the open ones finish, end what is left, exit.
+
+On SIGINT (Ctrl-C) or SIGTERM, ``run_server`` calls ``Server.shutdown(grace)`` on the event loop:
+
+1. ``Drain`` starts refusing: every new request is answered 503 with OpenAI's error JSON
+   (while the socket still accepts connections, so nobody who arrives now is left unanswered);
+2. the requests in flight get ``grace`` seconds (``--shutdown-timeout``) to finish on their own;
+3. the engine loop stops: it ends every job still open, a stream with an error event and
+   ``data: [DONE]``, a non-streaming request with a 503, and frees their KV blocks (a job that
+   arrives later is refused at once: nothing waits for an engine that is gone);
+4. uvicorn closes its socket and connections (waiting at most a second more), and the process exits.
+
+The order is the point: the engine loop stops only once no new request can reach it. A second
+signal does not wait: it stops at once, ending the open jobs the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Any
+
+from starlette.responses import JSONResponse
+
+from minillm.serve.protocol import shutting_down
+
+if TYPE_CHECKING:
+    from minillm.serve.app import Server
+
+
+class Drain:
+    """Counts the HTTP requests in flight, and once ``draining`` answers new ones 503.
+
+    Its state is shared by the middleware (``DrainMiddleware``) and ``Server.shutdown``."""
+
+    def __init__(self) -> None:
+        self.draining = False
+        self.in_flight = 0
+
+    async def wait_idle(self, seconds: float) -> bool:
+        """Wait until no request is in flight, at most ``seconds``; whether none is."""
+        deadline = time.monotonic() + seconds
+        while self.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        return not self.in_flight
+
+
+class DrainMiddleware:
+    """The ASGI side of ``Drain``."""
+
+    def __init__(self, app: Any, drain: Drain) -> None:
+        self.app, self.drain = app, drain
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.drain.draining:
+            error = shutting_down()
+            response = JSONResponse(error.body(), status_code=error.status, headers={"Connection": "close"})
+            await response(scope, receive, send)
+            return
+        self.drain.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.drain.in_flight -= 1
+
+
+class SignalStop:
+    """The SIGINT/SIGTERM handler of ``run_server`` (the main thread, where the engine loop runs).
+
+    A handler runs between two bytecodes of whatever the main thread was doing, so it only hands
+    the shutdown to the event loop (``call_soon_threadsafe``, the one asyncio call safe here). A
+    second signal, or one before the engine is ready (while it compiles: the engine loop would
+    not see a stop before that ends), raises KeyboardInterrupt to stop the engine loop at once."""
+
+    def __init__(self, server: Server, grace: float) -> None:
+        self.server, self.grace = server, grace
+        self.signal: int | None = None  # the first signal received
+        self.task: asyncio.Task[None] | None = None
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        first = self.signal is None
+        self.signal = self.signal or signum
+        loop = self.server.loop
+        if not first or loop is None or not self.server.worker.ready.is_set():
+            raise KeyboardInterrupt
+        try:
+            loop.call_soon_threadsafe(self._begin)
+        except RuntimeError:  # the event loop has closed: the server is stopping already
+            pass
+
+    def _begin(self) -> None:  # on the event loop
+        self.task = asyncio.get_running_loop().create_task(self.server.shutdown(self.grace))
