@@ -246,8 +246,10 @@ def page_headers(page: str) -> dict[str, str]:
     """The chat page's headers. Its Content-Security-Policy lets only its own inline script and
     style run (named by their hashes), lets it talk to this server only and load nothing else; and
     no other page may frame it (clickjacking)."""
+    without_comments = re.sub(r"<!--.*?-->", "", page, flags=re.DOTALL)
+
     def hashes(tag: str) -> str:
-        blocks = re.findall(rf"<{tag}>(.*?)</{tag}>", page, flags=re.DOTALL)
+        blocks = re.findall(rf"<{tag}>(.*?)</{tag}>", without_comments, flags=re.DOTALL)
         return " ".join(f"'sha256-{base64.b64encode(hashlib.sha256(b.encode()).digest()).decode()}'" for b in blocks)
 
     policy = (f"default-src 'none'; script-src {hashes('script')}; style-src {hashes('style')}; "

@@ -18,6 +18,7 @@ import re
 import signal
 import socket
 from collections.abc import Iterator
+from html.parser import HTMLParser
 
 import httpx
 import openai
@@ -299,7 +300,26 @@ def test_the_openai_client_with_the_key_works_and_without_it_gets_authentication
 
 # --------------------------------------------------------------------------- the chat page
 def _inline(page: str, tag: str) -> list[str]:
-    return re.findall(rf"<{tag}>(.*?)</{tag}>", page, flags=re.DOTALL)
+    """The text of each ``tag`` element, as an HTML parser (and so a browser) reads the page."""
+    found: list[str] = []
+
+    class Parser(HTMLParser):
+        inside = False
+
+        def handle_starttag(self, name, attrs):
+            if name == tag:
+                self.inside = True
+                found.append("")
+
+        def handle_endtag(self, name):
+            self.inside = self.inside and name != tag
+
+        def handle_data(self, data):
+            if self.inside:
+                found[-1] += data
+
+    Parser(convert_charrefs=False).feed(page)
+    return found
 
 
 def _sha(text: str) -> str:
