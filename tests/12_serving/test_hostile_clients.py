@@ -215,3 +215,18 @@ def test_headers_past_16_kib_are_refused(served, size, piece):
         received = _read_until_closed(sock)
     assert received.startswith(b"HTTP/1.1 400")
     _assert_serving(served)
+
+
+def test_an_idle_keep_alive_connection_is_closed_after_5_s(tmp_path, tiny_tokenizer):
+    """uvicorn's keep-alive timeout (``uvicorn_config``: 5 s), with a request timeout longer than it."""
+    folder = tiny_hf_checkpoint(tmp_path / "tiny", tiny_tokenizer, "llama", max_position_embeddings=512,
+                                vocab_size=300)
+    model, tok = load_model(folder, device="cpu")
+    with serving(Engine(model, tok, backend="eager", kv_cache_tokens=2048), "tiny", request_timeout=60) as other:
+        with _connect(other) as sock:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            began = time.monotonic()
+            received = _read_until_closed(sock)
+            elapsed = time.monotonic() - began
+    assert received.count(b"HTTP/1.1 200") == 1
+    assert 4.5 <= elapsed <= 5 + MARGIN

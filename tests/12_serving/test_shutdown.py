@@ -26,6 +26,7 @@ import pytest
 
 from minillm import Engine, SamplingParams, load_model
 from minillm.serve.protocol import ApiError
+from minillm.serve.shutdown import SignalStop
 from minillm.serve.worker import EngineWorker, Failed, Job
 from minillm.serve.metrics import Metrics
 
@@ -346,5 +347,46 @@ def test_ctrl_c_in_the_engine_loop_ends_the_running_and_the_queued_jobs(engine, 
         for job in (queued, later):
             events = _events(loop, job)
             assert len(events) == 1 and _shutting_down(events)
+    finally:
+        loop.close()
+
+
+# --------------------------------------------------------------------------- the signal handler
+class _FakeServer:
+    def __init__(self, loop, ready: bool) -> None:
+        self.loop = loop
+        self.worker = type("W", (), {"ready": threading.Event()})()
+        if ready:
+            self.worker.ready.set()
+        self.shut: list[float] = []
+
+    async def shutdown(self, grace: float) -> None:
+        self.shut.append(grace)
+
+
+def test_the_first_signal_schedules_the_shutdown_and_a_second_one_interrupts():
+    loop = asyncio.new_event_loop()
+    try:
+        server = _FakeServer(loop, ready=True)
+        stop = SignalStop(server, grace=7.0)
+        stop(signal.SIGTERM, None)  # only schedules: nothing has run yet
+        assert stop.signal == signal.SIGTERM and server.shut == []
+        loop.run_until_complete(asyncio.sleep(0.05))
+        assert server.shut == [7.0]
+        with pytest.raises(KeyboardInterrupt):
+            stop(signal.SIGINT, None)
+        assert stop.signal == signal.SIGTERM  # the first one is the one reported
+    finally:
+        loop.close()
+
+
+@pytest.mark.parametrize("has_loop, ready", [(False, True), (True, False)], ids=["no-event-loop-yet", "warming-up"])
+def test_a_signal_before_the_server_runs_interrupts_at_once(has_loop, ready):
+    loop = asyncio.new_event_loop()
+    try:
+        stop = SignalStop(_FakeServer(loop if has_loop else None, ready), grace=7.0)
+        with pytest.raises(KeyboardInterrupt):
+            stop(signal.SIGINT, None)
+        assert stop.signal == signal.SIGINT
     finally:
         loop.close()
