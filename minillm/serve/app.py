@@ -153,8 +153,8 @@ class Server:
     def _check(self, body: GenerationBody) -> None:
         if body.model is not None and body.model.lower() not in self.model_names \
                 and body.model.rsplit("/", 1)[-1].lower() not in self.model_names:
-            raise ApiError(404, f"The model '{clip(body.model)}' does not exist: this server serves '{self.model_id}'",
-                           param="model", code="model_not_found")
+            raise ApiError(404, f"The model '{clip(body.model)}' does not exist: this server serves "
+                                f"'{self.model_id}'", param="model", code="model_not_found")
         refuse_unsupported(body)
         if body.stream_options is not None and not body.stream:
             raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
@@ -389,10 +389,10 @@ def run_server(engine: Engine, sock: socket.socket, model_id: str, log_level: st
     try:
         thread.start()
         try:
-            server.worker.run()  # until Server.shutdown stops it (or a second signal interrupts it)
-        except KeyboardInterrupt:
-            web.force_exit = server.drain.draining  # a second signal: uvicorn does not wait either
-        web.should_exit = True  # every job has ended: uvicorn closes its socket and connections
+            server.worker.run()  # until Server.shutdown stops it
+        except KeyboardInterrupt:  # a second signal, or one before the engine was ready: it ended every job
+            pass
+        web.should_exit = True  # every job has ended: uvicorn closes its socket and connections (<= 1 s)
         thread.join(shutdown_timeout + 5)
     finally:
         for sig, handler in previous.items():
