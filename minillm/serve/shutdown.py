@@ -17,15 +17,13 @@ signal does not wait: it stops at once, ending the open jobs the same way.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from starlette.responses import JSONResponse
 
 from minillm.serve.protocol import shutting_down
-
-if TYPE_CHECKING:
-    from minillm.serve.app import Server
 
 
 class Drain:
@@ -67,6 +65,19 @@ class DrainMiddleware:
             self.drain.in_flight -= 1
 
 
+class _Worker(Protocol):
+    ready: threading.Event  # set once the engine loop serves
+
+
+class Stoppable(Protocol):
+    """What ``SignalStop`` needs of ``app.Server``."""
+
+    loop: asyncio.AbstractEventLoop | None
+    worker: _Worker
+
+    async def shutdown(self, grace: float) -> None: ...
+
+
 class SignalStop:
     """The SIGINT/SIGTERM handler of ``run_server`` (the main thread, where the engine loop runs).
 
@@ -75,7 +86,7 @@ class SignalStop:
     second signal, or one before the engine is ready (while it compiles: the engine loop would
     not see a stop before that ends), raises KeyboardInterrupt to stop the engine loop at once."""
 
-    def __init__(self, server: Server, grace: float) -> None:
+    def __init__(self, server: Stoppable, grace: float) -> None:
         self.server, self.grace = server, grace
         self.signal: int | None = None  # the first signal received
         self.task: asyncio.Task[None] | None = None
