@@ -385,8 +385,7 @@ def run_server(engine: Engine, sock: socket.socket, model_id: str, log_level: st
             server.worker.stop()  # the engine loop ends with the web server, whatever ended it
 
     thread = threading.Thread(target=http, name="minillm-http", daemon=True)  # a second Ctrl-C does not wait
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
+    with stop.installed():
         thread.start()
         try:
             server.worker.run()  # until Server.shutdown stops it
@@ -394,9 +393,6 @@ def run_server(engine: Engine, sock: socket.socket, model_id: str, log_level: st
             pass
         web.should_exit = True  # every job has ended: uvicorn closes its socket and connections (<= 1 s)
         thread.join(shutdown_timeout + 5)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
     pool = engine.manager.allocator
     by = f" by {signal.Signals(stop.signal).name}" if stop.signal else ""
     print(f"minillm: stopped{by}: {server.worker.ended_by_stop} open request(s) ended by the shutdown; "

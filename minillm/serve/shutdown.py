@@ -17,8 +17,12 @@ signal does not wait: it stops at once, ending the open jobs the same way.
 from __future__ import annotations
 
 import asyncio
+import signal
+import socket
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Protocol
 
 from starlette.responses import JSONResponse
@@ -79,28 +83,62 @@ class Stoppable(Protocol):
 
 
 class SignalStop:
-    """The SIGINT/SIGTERM handler of ``run_server`` (the main thread, where the engine loop runs).
+    """SIGINT and SIGTERM for ``run_server``, whose main thread runs the engine loop.
 
-    A handler runs between two bytecodes of whatever the main thread was doing, so it only hands
-    the shutdown to the event loop (``call_soon_threadsafe``, the one asyncio call safe here). A
-    second signal, or one before the engine is ready (while it compiles: the engine loop would
-    not see a stop before that ends), raises KeyboardInterrupt to stop the engine loop at once."""
+    Python runs a signal handler on the main thread between two bytecodes, so not while a step
+    is in a C++ or torch call: on a busy machine that can be a second. So the handler is the slow
+    path. The fast one: Python's own C-level handler writes each signal's number to a socket at
+    once (``signal.set_wakeup_fd``), where a small thread waits and hands the shutdown to the
+    event loop (``call_soon_threadsafe``, safe from any thread). Python's handler (``__call__``)
+    does the same, and raises KeyboardInterrupt on a second signal, or on one before the engine
+    is ready (while it compiles: its loop would not see a stop before that ends), which stops
+    the engine loop at once."""
 
     def __init__(self, server: Stoppable, grace: float) -> None:
         self.server, self.grace = server, grace
         self.signal: int | None = None  # the first signal received
         self.task: asyncio.Task[None] | None = None
 
+    @contextmanager
+    def installed(self) -> Iterator[None]:
+        """Handle SIGINT and SIGTERM until the block ends (call it on the main thread)."""
+        wake_read, wake_write = socket.socketpair()
+        wake_write.setblocking(False)  # (the C handler must never block)
+        previous = {sig: signal.signal(sig, self) for sig in (signal.SIGINT, signal.SIGTERM)}
+        previous_fd = signal.set_wakeup_fd(wake_write.fileno(), warn_on_full_buffer=False)
+        watcher = threading.Thread(target=self._watch, args=(wake_read,), name="minillm-signals", daemon=True)
+        watcher.start()
+        try:
+            yield
+        finally:
+            signal.set_wakeup_fd(previous_fd)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            wake_write.close()  # the watcher's recv returns b"": it ends
+            watcher.join(5)
+            wake_read.close()
+
+    def _watch(self, wake: socket.socket) -> None:
+        while data := wake.recv(64):
+            if signal.SIGINT in data or signal.SIGTERM in data:
+                self._schedule()
+
     def __call__(self, signum: int, frame: Any) -> None:
         first = self.signal is None
         self.signal = self.signal or signum
-        loop = self.server.loop
-        if not first or loop is None or not self.server.worker.ready.is_set():
+        if not first or self.server.loop is None or not self.server.worker.ready.is_set():
             raise KeyboardInterrupt
+        self._schedule()  # (most likely done already by the watcher: the shutdown starts once)
+
+    def _schedule(self) -> None:
+        loop = self.server.loop
+        if loop is None:  # not serving yet: __call__ interrupts the engine loop instead
+            return
         try:
             loop.call_soon_threadsafe(self._begin)
         except RuntimeError:  # the event loop has closed: the server is stopping already
             pass
 
     def _begin(self) -> None:  # on the event loop
-        self.task = asyncio.get_running_loop().create_task(self.server.shutdown(self.grace))
+        if self.task is None:
+            self.task = asyncio.get_running_loop().create_task(self.server.shutdown(self.grace))

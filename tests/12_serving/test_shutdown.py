@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import signal
 import threading
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -389,4 +391,38 @@ def test_a_signal_before_the_server_runs_interrupts_at_once(has_loop, ready):
             stop(signal.SIGINT, None)
         assert stop.signal == signal.SIGINT
     finally:
+        loop.close()
+
+
+def test_the_drain_starts_while_the_main_thread_is_still_busy_in_a_c_call():
+    """The C-level wakeup (``installed``): the shutdown is scheduled at once, though Python's handler
+    cannot run until the main thread's long C call (here zlib, standing for an engine step) returns."""
+    loop = asyncio.new_event_loop()
+    serving_loop = threading.Thread(target=loop.run_forever, daemon=True)
+    serving_loop.start()
+    try:
+        server = _FakeServer(loop, ready=True)
+        started: list[float] = []
+
+        async def shutdown(grace: float) -> None:
+            started.append(time.monotonic())
+
+        server.shutdown = shutdown
+        stop = SignalStop(server, grace=7.0)
+        data = os.urandom(40_000_000)
+        with stop.installed():
+            threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGTERM)).start()
+            busy_from = time.monotonic()
+            zlib.compress(data, 9)  # one C call of about a second (without the GIL, as a step's kernels)
+            busy_until = time.monotonic()
+            deadline = time.monotonic() + WAIT
+            while stop.signal is None:  # Python's handler has run by now, or runs here
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        assert stop.signal == signal.SIGTERM
+        assert busy_until - busy_from > 0.5, "the hash was too quick to tell"
+        assert len(started) == 1 and started[0] < busy_until - 0.2  # scheduled once, well before the call ended
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        serving_loop.join(5)
         loop.close()
