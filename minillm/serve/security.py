@@ -110,7 +110,7 @@ def host_name(host: str | None) -> str | None:
 
 
 def is_loopback(address: str) -> bool:
-    """Whether a socket's address (``127.0.0.1``, ``::1``, ``0.0.0.0``...) reaches this machine only."""
+    """Whether a listening address reaches this machine only (``127.0.0.1``, ``::1``; not ``0.0.0.0``)."""
     try:
         return ipaddress.ip_address(address.split("%")[0]).is_loopback
     except ValueError:
