@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -181,8 +182,10 @@ def chat(args: argparse.Namespace) -> None:
         messages.append({"role": "assistant", "content": answer})
 
 
-def serve(args: argparse.Namespace) -> None:
-    """An OpenAI-compatible HTTP server (``minillm.serve``), with a chat page at ``/``."""
+def serve(args: argparse.Namespace) -> int:
+    """An OpenAI-compatible HTTP server (``minillm.serve``), with a chat page at ``/``. Stops on
+    SIGINT (exit status 130, the shell's "interrupted") or SIGTERM (0: a requested stop), after
+    draining (``minillm.serve.shutdown``)."""
     import socket
 
     from minillm.engine import Engine
@@ -202,7 +205,18 @@ def serve(args: argparse.Namespace) -> None:
     print(f"minillm: serving {name} at http://{host}:{args.port}/ (the chat page; the OpenAI API under /v1, "
           f"/metrics, /health), backend {engine.backend}. /health says 'ok' once the first step has run.",
           file=sys.stderr)
-    run_server(engine, sock, name)
+    stopped_by = run_server(engine, sock, name, shutdown_timeout=args.shutdown_timeout,
+                            request_timeout=args.request_timeout, api_key=args.api_key,
+                            allowed_hosts=_comma_list(args.allowed_hosts), cors_origins=_comma_list(args.cors_origin))
+    if stopped_by == signal.SIGINT:
+        print("minillm: interrupted", file=sys.stderr)
+        return 130  # the shell's convention for "ended by SIGINT"
+    return 0 if stopped_by == signal.SIGTERM else 1  # (None: the web server stopped by itself, an error)
+
+
+def _comma_list(values: list[str] | None) -> list[str]:
+    """A repeatable option's values, each of which may be a comma-separated list."""
+    return [item.strip() for value in values or () for item in value.split(",") if item.strip()]
 
 
 def _fit_context(messages: list[dict[str, str]], tok: Tokenizer, budget: int) -> int | None:
@@ -226,6 +240,20 @@ def _positive(value: str) -> int:
     number = int(value)
     if number < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {number}")
+    return number
+
+
+def _seconds(value: str) -> float:
+    number = float(value)
+    if not 0 <= number <= 3600:  # (NaN fails too)
+        raise argparse.ArgumentTypeError(f"must be a number of seconds from 0 to 3600, got {value}")
+    return number
+
+
+def _positive_seconds(value: str) -> float:
+    number = _seconds(value)
+    if number == 0:
+        raise argparse.ArgumentTypeError("must be more than 0 seconds")
     return number
 
 
@@ -268,8 +296,8 @@ def main(argv: list[str] | None = None) -> int:
                     "streaming or not: point the openai client's base_url at http://HOST:PORT/v1), GET /v1/models, "
                     "/health, /metrics (Prometheus text) and a chat page at /. One engine thread batches every "
                     "request (continuous batching); a client that disconnects has its request aborted.")
-    serve_parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1; "
-                              "0.0.0.0 to serve the network: there is no authentication)")
+    serve_parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this "
+                              "machine only; 0.0.0.0 to serve the network: then set --api-key)")
     serve_parser.add_argument("--port", type=int, default=8000, help="default: 8000")
     serve_parser.add_argument("--model", default=None,
                               help="a .gguf file or HF checkpoint folder (default: SmolLM2-135M-Instruct)")
@@ -286,6 +314,25 @@ def main(argv: list[str] | None = None) -> int:
                                    "other streams (chunked prefill; 0: whole prompts; default: 256)")
     serve_parser.add_argument("--no-prefix-caching", action="store_true",
                               help="compute every prompt in full instead of reusing cached blocks of a shared prefix")
+    access = serve_parser.add_argument_group(
+        "who may use the server", "Requests must name the server in their Host header (localhost, an IP address, "
+        "the machine's name when serving the network, or --allowed-hosts: this stops DNS rebinding), POST bodies "
+        "must be Content-Type: application/json, and web pages of other origins are refused unless --cors-origin "
+        "names them.")
+    access.add_argument("--api-key", default=os.environ.get("MINILLM_API_KEY") or None, metavar="KEY",
+                        help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (401 otherwise); the chat "
+                             "page asks for the key, /health stays open (default: $MINILLM_API_KEY, else none)")
+    access.add_argument("--allowed-hosts", action="append", metavar="NAMES",
+                        help="more names the Host header may give, comma-separated; '*' accepts any")
+    access.add_argument("--cors-origin", action="append", metavar="ORIGIN",
+                        help="a web page origin (http://host:port) allowed to call the API from a browser; "
+                             "repeatable or comma-separated; '*' for any (default: none)")
+    limits = serve_parser.add_argument_group("time limits")
+    limits.add_argument("--shutdown-timeout", type=_seconds, default=5.0, metavar="SECONDS",
+                        help="on SIGINT/SIGTERM, new requests get 503 and the open ones this long to finish before "
+                             "they are ended (a stream with an error event and [DONE]); default: 5")
+    limits.add_argument("--request-timeout", type=_positive_seconds, default=30.0, metavar="SECONDS",
+                        help="a request's headers, and then its body, must each arrive within this time; default: 30")
     bench = commands.add_parser("bench", help="benchmarks against the reference libraries")
     bench.add_argument("target", nargs="?", default="model", choices=["model", "cpu", "tokenizer", "cache", "batching", "context", "latency", "load", "quant", "scheduler",
                                                                "serve", "gpu"])
@@ -328,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "chat":
             chat(args)
         elif args.command == "serve":
-            serve(args)
+            return serve(args)
         elif args.command == "demo":
             demo()
         elif args.command == "bench":

@@ -4,15 +4,20 @@ The package, in the order a request meets it:
 
 * ``protocol``: the request bodies (pydantic, strict), OpenAI's error JSON (``ApiError``), the
   replies and their Server-Sent Events;
+* ``security``: the front door: which requests get in (Host, Origin and CORS, the API key,
+  Content-Type), the chat page's headers, and uvicorn's bounds on slow clients;
 * ``app``: the FastAPI routes, ``create_app`` and ``run_server``;
 * ``worker``: the engine thread, the one loop that owns the ``Engine``, and its messages;
+* ``shutdown``: how the server stops on SIGINT/SIGTERM (drain, then end what is left);
 * ``metrics``: ``GET /metrics`` in Prometheus' text format (``prometheus_client``).
 
 The life of one request, from the socket to ``data: [DONE]``::
 
     HTTP POST /v1/chat/completions (asyncio: FastAPI + uvicorn, many connections at once)
-      │ read the body (at most 8 MiB), parse and validate it: a bad field is a 400 with
-      │ OpenAI's error JSON, an unknown model a 404, and nothing reaches the engine
+      │ the front door (``security.Guard``): a foreign Host or Origin, a missing API key or
+      │ a body that is not JSON is refused before the body is read
+      │ read the body (at most 8 MiB), count its lists, parse and validate it: a bad field is
+      │ a 400 with OpenAI's error JSON, an unknown model a 404, and nothing reaches the engine
       │ apply the chat template and tokenize (in a worker thread: a long prompt must not
       │ stall the other connections); a prompt past the context window is a 400
       ▼

@@ -5,17 +5,22 @@ prompt must not stall the other connections), checks that it fits the context, t
 ``Job`` to the engine thread and turns the events that come back into OpenAI's JSON: one object,
 or Server-Sent Events with ``stream``. However a response ends (done, the client gone, an
 error), what is left of its job is aborted, so its KV blocks go back to the pool.
+
+In front of the routes, two ASGI middlewares: ``security.Guard`` (which requests get in: Host,
+Origin, API key, Content-Type) and ``shutdown.DrainMiddleware`` (the requests in flight, and 503s
+once the server is stopping).
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
 import html
+import signal
 import socket
+import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from importlib import resources
@@ -40,12 +45,16 @@ from minillm.serve.protocol import (
     CompletionBody,
     GenerationBody,
     Reply,
+    clip,
+    parse_body,
     read_body,
     refuse_unsupported,
     sse,
     token_usage,
     validation_error,
 )
+from minillm.serve.security import Guard, Policy, is_loopback, page_headers, uvicorn_config
+from minillm.serve.shutdown import Drain, DrainMiddleware, SignalStop
 from minillm.serve.worker import Delta, EngineWorker, Failed, Finished, Job
 
 
@@ -69,7 +78,8 @@ class Server:
     """The HTTP side: validates requests, tokenizes them, hands jobs to the engine thread and
     turns the events that come back into OpenAI responses."""
 
-    def __init__(self, engine: Engine, model_id: str, aliases: Sequence[str] = (), warm_up: bool = True) -> None:
+    def __init__(self, engine: Engine, model_id: str, aliases: Sequence[str] = (), warm_up: bool = True,
+                 policy: Policy | None = None, request_timeout: float = 30.0) -> None:
         # Read before the engine thread starts; afterwards only that thread touches the engine.
         # The tokenizer is shared: encoding here only reads its tables (and its encode cache, a
         # dict whose single reads and writes are atomic), while the engine thread decodes.
@@ -82,12 +92,18 @@ class Server:
         self.metrics = Metrics()
         self.worker = EngineWorker(engine, self.metrics, warm_up)
         self.started = int(time.time())
-        self.page = resources.files("minillm").joinpath("chat.html").read_text(encoding="utf-8")
+        self.policy, self.request_timeout = policy or Policy(), request_timeout
+        self.drain = Drain()
+        self.loop: asyncio.AbstractEventLoop | None = None  # the event loop serving the app, once it runs
+        page = resources.files("minillm").joinpath("chat.html").read_text(encoding="utf-8")
+        self.page = page.replace("{{MODEL}}", html.escape(model_id)).replace(
+            "{{AUTH}}", "bearer" if self.policy.api_key else "none")  # the page asks for a key if one is needed
+        self.page_headers = page_headers(self.page)
 
     # -- routes
     async def chat_completions(self, request: HttpRequest) -> Response:
         arrival = time.perf_counter()
-        body = ChatCompletionBody.model_validate_json(await read_body(request))
+        body = parse_body(ChatCompletionBody, await read_body(request, self.request_timeout))
         self._check(body)
         prompt_ids = await run_in_threadpool(self._encode_chat, body.messages)
         requested = body.max_completion_tokens or body.max_tokens
@@ -97,13 +113,21 @@ class Server:
 
     async def completions(self, request: HttpRequest) -> Response:
         arrival = time.perf_counter()
-        body = CompletionBody.model_validate_json(await read_body(request))
+        body = parse_body(CompletionBody, await read_body(request, self.request_timeout))
         self._check(body)
         prompts = body.prompts()
         if not prompts:
             raise ApiError(400, "prompt: the list of prompts is empty", param="prompt")
-        prompt_ids = await run_in_threadpool(lambda: [self._encode_text(p) for p in prompts])
+        if len(prompts) * body.n > MAX_CHOICES:  # counts and sizes first: no prompt is encoded before
+            raise ApiError(400, f"{len(prompts)} prompts x n={body.n} is more than {MAX_CHOICES} completions",
+                           param="n")
         max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                self._refuse_by_size(len(prompt.encode("utf-8", "surrogatepass")), "prompt")
+            else:
+                self._check_fits(len(prompt), max_tokens, "prompt")
+        prompt_ids = await run_in_threadpool(lambda: [self._encode_text(p) for p in prompts])
         for ids in prompt_ids:
             self._check_fits(len(ids), max_tokens, "prompt")
         return await self._generate(request, body, prompt_ids, max_tokens, arrival, chat=False)
@@ -123,14 +147,14 @@ class Server:
         return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
     async def chat_page(self) -> HTMLResponse:
-        return HTMLResponse(self.page.replace("{{MODEL}}", html.escape(self.model_id)))
+        return HTMLResponse(self.page, headers=self.page_headers)
 
     # -- validation and tokenization
     def _check(self, body: GenerationBody) -> None:
         if body.model is not None and body.model.lower() not in self.model_names \
                 and body.model.rsplit("/", 1)[-1].lower() not in self.model_names:
-            raise ApiError(404, f"The model '{body.model}' does not exist: this server serves '{self.model_id}'",
-                           param="model", code="model_not_found")
+            raise ApiError(404, f"The model '{clip(body.model)}' does not exist: this server serves "
+                                f"'{self.model_id}'", param="model", code="model_not_found")
         refuse_unsupported(body)
         if body.stream_options is not None and not body.stream:
             raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
@@ -161,7 +185,6 @@ class Server:
     def _encode_text(self, prompt: str | list[int]) -> list[int]:
         if not isinstance(prompt, str):
             return prompt  # token ids: the engine checks them against the vocabulary
-        self._refuse_by_size(len(prompt.encode("utf-8", "surrogatepass")), "prompt")
         return self.tokenizer.encode(prompt)  # as Engine.generate encodes a str prompt
 
     def _check_fits(self, prompt_tokens: int, max_tokens: int, param: str) -> None:
@@ -176,9 +199,6 @@ class Server:
     # -- generation
     async def _generate(self, request: HttpRequest, body: GenerationBody, prompts: list[list[int]],
                         max_tokens: int, arrival: float, chat: bool) -> Response:
-        if len(prompts) * body.n > MAX_CHOICES:
-            raise ApiError(400, f"{len(prompts)} prompts x n={body.n} is more than {MAX_CHOICES} completions",
-                           param="n")
         params = body.sampling_params(max_tokens)
         # Choice i of a prompt's n draws from seed + i, as Engine.generate numbers them.
         choices = [(ids, params if params.seed is None else replace(params, seed=(params.seed + i) % 2**64))
@@ -241,6 +261,16 @@ class Server:
                 self.worker.abort(job)
         return reply.response(texts, reasons, token_usage(prompt_tokens, completion_tokens))
 
+    # -- stopping (see ``shutdown``)
+    async def shutdown(self, grace: float) -> None:
+        """Refuse new requests (503), give the ones in flight ``grace`` seconds to finish, then stop
+        the engine loop, which ends the rest (an error event and ``[DONE]``, or a 503)."""
+        if self.drain.draining:
+            return
+        self.drain.draining = True
+        await self.drain.wait_idle(grace)
+        await run_in_threadpool(self.worker.stop)
+
 
 async def _end_on_disconnect(request: HttpRequest, job: Job) -> None:
     """Wait for the client of a non-streaming request to go away, then end the wait for its
@@ -251,7 +281,9 @@ async def _end_on_disconnect(request: HttpRequest, job: Job) -> None:
 
 
 def create_app(engine: Engine, model_id: str = "SmolLM2-135M-Instruct", aliases: Sequence[str] = (),
-               warm_up: bool = True, engine_thread: bool = True) -> FastAPI:
+               warm_up: bool = True, engine_thread: bool = True, *, api_key: str | None = None,
+               allowed_hosts: Iterable[str] = (), cors_origins: Iterable[str] = (),
+               request_timeout: float = 30.0) -> FastAPI:
     """The FastAPI app serving ``engine``. The engine loop first compiles the decode step (unless
     ``warm_up=False``; ``/health`` is 503 until then). The app's lifespan starts it on a thread of
     its own, or, with ``engine_thread=False``, leaves it to the caller (``run_server``), and stops it.
@@ -259,17 +291,26 @@ def create_app(engine: Engine, model_id: str = "SmolLM2-135M-Instruct", aliases:
     ``model_id`` is the name ``/v1/models`` lists; requests may name it, one of ``aliases``,
     ``"minillm"``, ``"default"``, or a path ending in one of those (``HuggingFaceTB/SmolLM2-135M-Instruct``).
     From the moment the app starts, ``engine`` belongs to the engine thread: do not use it elsewhere.
+
+    Who may call it (``security``): requests whose ``Host`` is localhost, an IP address or one of
+    ``allowed_hosts`` (``"*"``: any); pages of this origin or of ``cors_origins``; with ``api_key``,
+    only requests that send it (the chat page and ``/health`` stay open). A request body must arrive
+    within ``request_timeout`` seconds.
     """
-    server = Server(engine, model_id, aliases, warm_up)
+    policy = Policy.of(allowed_hosts, cors_origins, api_key)
+    server = Server(engine, model_id, aliases, warm_up, policy, request_timeout)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        server.loop = asyncio.get_running_loop()
         if engine_thread:
             server.worker.start()
         yield
         await run_in_threadpool(server.worker.stop)
 
     app = FastAPI(title="minillm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(DrainMiddleware, drain=server.drain)
+    app.add_middleware(Guard, policy=policy)  # added last: the outer one, the first a request meets
     app.state.server = server
     app.post("/v1/chat/completions")(server.chat_completions)
     app.post("/v1/completions")(server.completions)
@@ -280,7 +321,9 @@ def create_app(engine: Engine, model_id: str = "SmolLM2-135M-Instruct", aliases:
 
     @app.exception_handler(ApiError)
     async def api_error(request: HttpRequest, err: ApiError) -> JSONResponse:
-        return JSONResponse(err.body(), status_code=err.status)
+        # 408, 413, 499: the body was not read to its end, so the connection cannot carry another request
+        headers = {"Connection": "close"} if err.status in (408, 413, 499) else None
+        return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
     @app.exception_handler(ValidationError)
     async def invalid_body(request: HttpRequest, err: ValidationError) -> JSONResponse:
@@ -307,31 +350,51 @@ def model_name(source: str | None) -> str:
     return name[: -len(".gguf")] if name.lower().endswith(".gguf") else name
 
 
-def run_server(engine: Engine, sock: socket.socket, model_id: str, log_level: str = "info") -> None:
-    """Serve on ``sock`` until Ctrl-C: the engine loop on this thread, uvicorn on a second one.
+def run_server(engine: Engine, sock: socket.socket, model_id: str, log_level: str = "info", *,
+               shutdown_timeout: float = 5.0, request_timeout: float = 30.0, api_key: str | None = None,
+               allowed_hosts: Iterable[str] = (), cors_origins: Iterable[str] = ()) -> int | None:
+    """Serve on ``sock`` until SIGINT (Ctrl-C) or SIGTERM, then stop gracefully: new requests get
+    503, the open ones ``shutdown_timeout`` seconds to finish before they are ended (``shutdown``).
+    Returns the signal that stopped it (None if uvicorn stopped by itself). The other options are
+    ``create_app``'s; bound to an address other than loopback, the machine's name is an allowed host.
 
-    Why this way round: torch runs its CPU kernels on a team of OpenMP threads belonging to the
-    thread that calls them. The model was loaded on this thread, so its team exists; an engine
-    loop on another thread starts a second team, and on the 2-core course machine each step
-    was then ~1.5x slower (64 greedy tokens by HTTP: 22 tokens/s, against 36 with the loop
-    here, the same as ``Engine.generate``). The event loop never calls torch.
+    The engine loop runs on this thread, uvicorn on a second one. Why this way round: torch runs
+    its CPU kernels on a team of OpenMP threads belonging to the thread that calls them. The model
+    was loaded on this thread, so its team exists; an engine loop on another thread starts a second
+    team, and on the 2-core course machine each step was then ~1.5x slower (64 greedy tokens by
+    HTTP: 22 tokens/s, against 36 with the loop here, the same as ``Engine.generate``). The event
+    loop never calls torch.
     """
-    app = create_app(engine, model_id, engine_thread=False)
-    worker = app.state.server.worker
-    logs = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
-    logs["handlers"]["access"]["stream"] = "ext://sys.stderr"  # the CLI keeps stdout for results
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, log_config=logs))
+    address = sock.getsockname()[0]
+    if not is_loopback(address):  # serving the network: the machine's name is one of the server's
+        name = socket.gethostname().lower()
+        allowed_hosts = [*allowed_hosts, name, f"{name}.local"]
+        if not api_key:
+            print(f"minillm: WARNING: listening on {address} with no API key: anyone who can reach this port "
+                  "can use the server. Set --api-key (or MINILLM_API_KEY).", file=sys.stderr)
+    app = create_app(engine, model_id, engine_thread=False, api_key=api_key, allowed_hosts=allowed_hosts,
+                     cors_origins=cors_origins, request_timeout=request_timeout)
+    server: Server = app.state.server
+    web = uvicorn.Server(uvicorn_config(app, log_level, request_timeout))
+    stop = SignalStop(server, shutdown_timeout)
 
     def http() -> None:
         try:
-            server.run(sockets=[sock])
+            web.run(sockets=[sock])
         finally:
-            worker.stop()  # the engine loop ends with the web server, whatever ended it
+            server.worker.stop()  # the engine loop ends with the web server, whatever ended it
 
-    web = threading.Thread(target=http, name="minillm-http", daemon=True)  # a second Ctrl-C does not wait
-    web.start()
-    try:
-        worker.run()
-    finally:  # Ctrl-C lands here, on the main thread: the open responses have ended, stop the server
-        server.should_exit = True
-        web.join()
+    thread = threading.Thread(target=http, name="minillm-http", daemon=True)  # a second Ctrl-C does not wait
+    with stop.installed():
+        thread.start()
+        try:
+            server.worker.run()  # until Server.shutdown stops it
+        except KeyboardInterrupt:  # a second signal, or one before the engine was ready: it ended every job
+            pass
+        web.should_exit = True  # every job has ended: uvicorn closes its socket and connections (<= 1 s)
+        thread.join(shutdown_timeout + 5)
+    pool = engine.manager.allocator
+    by = f" by {signal.Signals(stop.signal).name}" if stop.signal else ""
+    print(f"minillm: stopped{by}: {server.worker.ended_by_stop} open request(s) ended by the shutdown; "
+          f"KV blocks free: {pool.num_free} of {pool.num_blocks}", file=sys.stderr)
+    return stop.signal

@@ -8,20 +8,31 @@ response objects, whole or as the chunks of a Server-Sent Events stream (``sse``
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, TypeVar, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
 
 from minillm.sampling import SamplingParams
 from minillm.sampling.params import MAX_COMPLETIONS, REPETITION_PENALTY_RANGE
 
+log = logging.getLogger("minillm.serve")
+
+# Limits checked before any work that grows with what they limit (parsing aside, which the body's
+# size bounds): a request over one is refused by name, never after seconds of tokenizing.
 MAX_BODY_BYTES = 8 * 2**20  # a request body larger than this is refused (413) before it is parsed
 MAX_CHOICES = MAX_COMPLETIONS  # prompts x n of one request: each choice is an engine request with its own state
+MAX_MESSAGES = 4096  # messages in one chat request (each costs the chat template a loop turn)
+MAX_CONTENT_PARTS = 256  # text parts in one message's content
+MAX_PROMPT_IDS = 2**17  # token ids in one prompt (past every context minillm loads; the context is checked next)
+ECHO_CHARS = 100  # a user string quoted in an error message is cut to this many characters
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: as many as fit)
 # The engine's finish reasons in OpenAI's words: EOS and a stop string are both "stop".
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
@@ -33,6 +44,7 @@ class ApiError(Exception):
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
                  type: str = "invalid_request_error") -> None:
+        message = clip(message, 1000)  # a net: the strings a message quotes are clipped already
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
 
@@ -40,22 +52,44 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def clip(text: str, limit: int = ECHO_CHARS) -> str:
+    """``text`` cut to ``limit`` characters (and an ellipsis): a 1 MiB model name is not echoed whole."""
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def shutting_down() -> ApiError:
+    """The answer to a request the server will not finish: it is stopping."""
+    return ApiError(503, "the server is shutting down", type="server_error", code="server_shutting_down")
+
+
 def validation_error(err: ValidationError) -> ApiError:
     """The first problem pydantic found, named by its path in the request (``messages.0.role``)."""
     errors = err.errors(include_url=False)
     first = errors[0]
-    if first["type"] == "json_invalid":
-        return ApiError(400, f"the request body is not valid JSON: {first['msg']}")
     # A union (stop: a str or a list of str) reports one error per alternative: an error of
     # value ("too long") says more than one of type ("not a string").
     same_field = [e for e in errors if e["loc"][:1] == first["loc"][:1]]
     first = next((e for e in same_field if not e["type"].endswith("_type")), first)
     # The alternatives also appear in the path, as type names ("prompt.list[int].1"): drop them.
-    path = [str(p) for p in first["loc"] if isinstance(p, int) or p.isidentifier()]
+    path = [str(p) for p in first["loc"] if isinstance(p, int) or p.isidentifier() and p not in _TYPE_NAMES]
     param = ".".join(path) or None
-    got = json.dumps(first.get("input"), default=str)
-    got = got if len(got) <= 80 else got[:77] + "..."
+    got = _preview(first.get("input"))
     return ApiError(400, f"{param or 'the request body'}: {first['msg']} (got {got})", param=param)
+
+
+_TYPE_NAMES = {"str", "int", "float", "bool"}
+
+
+def _preview(value: Any) -> str:
+    """The start of a refused value, as JSON (of a long list, only its first items are written out)."""
+    if isinstance(value, list) and len(value) > 8:
+        return clip(json.dumps(value[:8], default=str)[:-1] + f", ... ({len(value)} items)]", 80)
+    return clip(json.dumps(clip(value, 80) if isinstance(value, str) else value, default=str), 80)
+
+
+def _at_most(items: Any, limit: int, what: str, param: str) -> None:
+    if isinstance(items, list) and len(items) > limit:
+        raise ApiError(400, f"{param}: at most {limit} {what} are allowed, got {len(items)}", param=param)
 
 
 # --------------------------------------------------------------------------- request bodies
@@ -107,6 +141,10 @@ class GenerationBody(_Body):
     repetition_penalty: float = Field(1.0, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
     ignore_eos: bool = False
 
+    @classmethod
+    def check_counts(cls, data: Any) -> None:
+        """Refuse a body whose lists are past their limits, before each of their items is validated."""
+
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) != 0:
@@ -128,10 +166,28 @@ class ChatCompletionBody(GenerationBody):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)  # the newer name of max_tokens
 
+    @classmethod
+    def check_counts(cls, data: Any) -> None:
+        messages = data.get("messages") if isinstance(data, dict) else None
+        _at_most(messages, MAX_MESSAGES, "messages", "messages")
+        for i, message in enumerate(messages if isinstance(messages, list) else ()):
+            content = message.get("content") if isinstance(message, dict) else None
+            _at_most(content, MAX_CONTENT_PARTS, "content parts", f"messages.{i}.content")
+
 
 class CompletionBody(GenerationBody):
     # a prompt, a list of prompts, token ids, or a list of token-id prompts (as OpenAI accepts)
     prompt: Union[str, list[str], list[int], list[list[int]]]
+
+    @classmethod
+    def check_counts(cls, data: Any) -> None:
+        prompt = data.get("prompt") if isinstance(data, dict) else None
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            _at_most(prompt, MAX_PROMPT_IDS, "token ids in a prompt", "prompt")
+        elif isinstance(prompt, list):  # more prompts than MAX_CHOICES could never be answered
+            _at_most(prompt, MAX_CHOICES, "prompts", "prompt")
+            for i, one in enumerate(prompt):
+                _at_most(one, MAX_PROMPT_IDS, "token ids in a prompt", f"prompt.{i}")
 
     def prompts(self) -> list[str | list[int]]:
         prompt = self.prompt
@@ -206,14 +262,38 @@ def sse(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-async def read_body(request: HttpRequest) -> bytes:
-    """The request body, refused (413) as soon as it grows past MAX_BODY_BYTES."""
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES // 2**20} MiB",
-                           code="request_too_large")
-        chunks.append(chunk)
-    return b"".join(chunks)
+Body = TypeVar("Body", bound=GenerationBody)
 
+
+def parse_body(model: type[Body], raw: bytes) -> Body:
+    """Parse a request body and validate it as ``model``: the JSON first, then the lengths of its
+    lists (``check_counts``), and only then each field and item. (pydantic would validate every
+    item of a 1,000,000-item list before finding the list too long.)"""
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as err:  # not UTF-8, not JSON, nested too deep
+        raise ApiError(400, f"the request body is not valid JSON: {clip(str(err))}") from None
+    model.check_counts(data)
+    return model.model_validate(data)
+
+
+async def read_body(request: HttpRequest, timeout: float) -> bytes:
+    """The request body, refused as soon as it grows past MAX_BODY_BYTES (413) or takes longer than
+    ``timeout`` seconds to arrive (408: a client trickling its body must not hold a handler forever).
+    A client that leaves mid-body ends the request quietly (499, which nobody reads)."""
+    chunks, size = [], 0
+    try:
+        async with asyncio.timeout(timeout):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > MAX_BODY_BYTES:
+                    raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES // 2**20} MiB",
+                                   code="request_too_large")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {timeout:g} s",
+                       code="request_timeout") from None
+    except ClientDisconnect:
+        log.info("a client closed its connection while sending its request body")
+        raise ApiError(499, "the client closed the connection") from None
+    return b"".join(chunks)

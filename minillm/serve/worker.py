@@ -11,6 +11,10 @@ the queued commands between two steps. Out: each ``Job`` gets its events (``Acce
 ``Failed`` first, then ``Delta`` text and ``Finished`` per choice) on its asyncio queue,
 put there by the event loop itself (``loop.call_soon_threadsafe``: asyncio is not thread-safe).
 The loop reads the Engine only through its public API.
+
+**Every job gets an end.** However the loop ends (``stop()``, Ctrl-C, a bug), each job it holds
+or that is still queued gets a ``Failed``, and a job submitted after that is failed at once: no
+HTTP handler can wait for an engine that has stopped.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from minillm.engine import Engine
 from minillm.engine.request import Request
 from minillm.sampling import SamplingParams
 from minillm.serve.metrics import EngineSnapshot, Metrics
-from minillm.serve.protocol import FINISH_REASONS, ApiError
+from minillm.serve.protocol import FINISH_REASONS, ApiError, shutting_down
 
 log = logging.getLogger("minillm.serve")
 
@@ -103,6 +107,9 @@ class EngineWorker:
         self._owners: dict[Request, tuple[Job, int]] = {}  # unfinished engine request -> (its job, choice index)
         self._first_token_at: dict[Request, float] = {}
         self._thread: threading.Thread | None = None  # set by start()
+        self._closed = False  # stop() was called: submit() fails a job at once (under _lock, with the queue)
+        self._lock = threading.Lock()
+        self.ended_by_stop = 0  # the jobs still open when the loop stopped, ended with an error
 
     # -- called from other threads
     def start(self) -> None:
@@ -111,13 +118,20 @@ class EngineWorker:
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
-        """End the loop once the queued commands are done (waiting for its thread if it has one)."""
-        self._commands.put(None)
+        """End the loop after the queued commands: each job still open ends with a 503 (waiting for
+        the loop's thread if it has one). From then on, ``submit`` fails a job at once."""
+        with self._lock:
+            self._closed = True
+            self._commands.put(None)
         if self._thread is not None:
             self._thread.join(timeout)
 
     def submit(self, job: Job) -> None:
-        self._commands.put(("add", job))
+        with self._lock:
+            if not self._closed:
+                self._commands.put(("add", job))
+                return
+        job.send(Failed(shutting_down()))
 
     def abort(self, job: Job) -> None:
         """Abort what is left of ``job`` (a no-op for the choices that finished)."""
@@ -133,18 +147,28 @@ class EngineWorker:
             self.error = f"{type(err).__name__}: {err}"
             failure = Failed(ApiError(503, f"the engine stopped: {self.error}", type="server_error"))
             self._tell_all(failure)
-            while (command := self._commands.get()) is not None:
+            while (command := self._commands.get()) is not None:  # answer each later job, until stop()
                 if command[0] == "add":
                     command[1].send(failure)
-        except BaseException:  # Ctrl-C, on the main thread: end every open response on the way out
-            self._tell_all(Failed(ApiError(503, "the server is shutting down", type="server_error")))
-            raise
+        finally:  # however it ended (Ctrl-C too): refuse later jobs, end the held and the queued ones
+            with self._lock:
+                self._closed = True
+            self.ended_by_stop += self._tell_all(Failed(shutting_down()))
+            while True:
+                try:
+                    command = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if command is not None and command[0] == "add":
+                    command[1].send(Failed(shutting_down()))
 
-    def _tell_all(self, failure: Failed) -> None:
-        """Send ``failure`` to every job still running, without touching the engine."""
-        for job in {job for job, _ in self._owners.values()}:
+    def _tell_all(self, failure: Failed) -> int:
+        """Send ``failure`` to every job still running, without touching the engine; how many."""
+        jobs = {job for job, _ in self._owners.values()}
+        for job in jobs:
             job.send(failure)
         self._owners.clear()
+        return len(jobs)
 
     def _serve(self) -> None:
         if self.warm_up:  # compile the decode step (one row; several rows) before the first user waits for it
@@ -154,9 +178,11 @@ class EngineWorker:
         self.ready.set()
         while True:
             for command in self._next_commands():
-                if command is None:  # shutting down: end every job, leaving the pool as it was
-                    for job in {job for job, _ in self._owners.values()}:
-                        self._fail(job, ApiError(503, "the server is shutting down", type="server_error"))
+                if command is None:  # stop(): end every job (their blocks go back to the pool), and return
+                    jobs = {job for job, _ in self._owners.values()}
+                    for job in jobs:
+                        self._fail(job, shutting_down())
+                    self.ended_by_stop += len(jobs)
                     self._publish()
                     return
                 what, job = command

@@ -203,3 +203,59 @@ def test_stop_ends_the_answer_and_the_server_frees_its_blocks(page, chat):
         before['minillm_requests_finished_total{reason="abort"}'] + 1
     assert after["minillm_requests_running"] == 0
     assert after["minillm_kv_blocks_free"] == after["minillm_kv_blocks_total"]
+
+
+# --------------------------------------------------------------------------- with an API key
+KEY = "sk-page-test"
+
+
+@pytest.fixture(scope="module")
+def keyed(chromium, tmp_path_factory, tiny_tokenizer) -> Iterator[Served]:
+    """A server that needs an API key, on a tiny random model (what it says does not matter here)."""
+    from minillm import load_model
+
+    from helpers.checkpoints import tiny_hf_checkpoint
+
+    folder = tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny", tiny_tokenizer, "llama",
+                                max_position_embeddings=512, vocab_size=300)
+    model, tok = load_model(folder, device="cpu")
+    with serving(Engine(model, tok, backend="eager", kv_cache_tokens=2048), "tiny", api_key=KEY) as served:
+        yield served
+
+
+def test_with_an_api_key_the_page_asks_for_it_and_sends_it(chromium, keyed):
+    """The page (open without a key, under its CSP) shows a key field; a wrong key's 401 is shown
+    as an error; with the right key the answer streams."""
+    from playwright.sync_api import sync_playwright
+
+    errors: list[str] = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=chromium, headless=True)
+        try:
+            page = browser.new_page()
+            page.set_default_timeout(WAIT_MS)
+            # A 401 is logged by Chromium as a failed resource load: expected once, below.
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            page.on("pageerror", lambda e: errors.append(f"uncaught: {e}"))
+            page.goto(f"{keyed.url}/", wait_until="load")
+            assert page.is_visible("#api_key")
+            page.fill("#api_key", "sk-wrong")
+            _ask(page, "hello", 4)
+            page.wait_for_function(JS_DONE, timeout=WAIT_MS, polling=100)
+            answer = page.locator("#log .msg.assistant").last
+            assert "error" in answer.get_attribute("class") and "API key" in answer.text_content()
+            page.fill("#api_key", KEY)
+            page.dispatch_event("#api_key", "change")
+            _ask(page, "hello", 4)
+            page.wait_for_function("() => document.querySelectorAll('#log .msg.assistant').length === 2 "
+                                   "&& document.getElementById('send').textContent === 'Send'",
+                                   timeout=WAIT_MS, polling=100)
+            answer = page.locator("#log .msg.assistant").last
+            assert "error" not in answer.get_attribute("class")
+            assert re.match(r"^TTFT .* · (\d+) tokens$", page.text_content("#stats"))
+            page.reload(wait_until="load")  # the key is kept for the tab
+            assert page.input_value("#api_key") == KEY
+            page.close()
+        finally:
+            browser.close()
+    assert [e for e in errors if "401" not in e] == [], errors

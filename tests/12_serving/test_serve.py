@@ -439,8 +439,18 @@ def test_serve_help_names_the_endpoints():
     result = subprocess.run([sys.executable, "-m", "minillm", "serve", "--help"], cwd=REPO, capture_output=True,
                             text=True, timeout=60)
     assert result.returncode == 0
-    for needle in ("--port", "--max-batch-size", "/v1", "/metrics", "chat page"):
+    for needle in ("--port", "--max-batch-size", "/v1", "/metrics", "chat page", "--api-key", "MINILLM_API_KEY",
+                   "--allowed-hosts", "--cors-origin", "--shutdown-timeout", "--request-timeout", "SIGTERM"):
         assert needle in result.stdout
+
+
+@pytest.mark.parametrize("option, value", [("--request-timeout", "0"), ("--request-timeout", "nan"),
+                                           ("--shutdown-timeout", "-1"), ("--shutdown-timeout", "1e9"),
+                                           ("--shutdown-timeout", "soon")])
+def test_serve_refuses_a_bad_timeout_before_loading_anything(option, value):
+    result = subprocess.run([sys.executable, "-m", "minillm", "serve", option, value], cwd=REPO, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2 and option in result.stderr and "Traceback" not in result.stderr
 
 
 def test_serve_on_a_port_in_use_fails_cleanly():
