@@ -19,7 +19,7 @@ import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from minillm import Tokenizer
-from minillm.tokenizer import bpe
+from minillm.tokenizer import bpe, template_limits
 
 from helpers.tokenizer_files import cheaply, fails_cheaply
 
@@ -108,8 +108,15 @@ def tokenizer_with(trained, template: str) -> Tokenizer:
     return bpe.Tokenizer(trained.vocab, trained.merges, trained.special_tokens, chat_template=template)
 
 
+@pytest.fixture()
+def no_deadline(monkeypatch):
+    """The sandbox's time limit far away, so a busy machine cannot make it fire first: these
+    tests are about the size limits (or about ordinary output), not about the clock."""
+    monkeypatch.setattr(template_limits, "_BASE_SECONDS", 120.0)
+
+
 @pytest.mark.parametrize("template", HOSTILE.values(), ids=HOSTILE.keys())
-def test_a_template_building_gigabytes_fails_fast_naming_the_limit(trained, template):
+def test_a_template_building_gigabytes_fails_fast_naming_the_limit(trained, template, no_deadline):
     tok = tokenizer_with(trained, template)
     messages = [{"role": "user", "content": "x" * 3000}]
     message = fails_cheaply(lambda: tok.apply_chat_template(messages), ValueError, "chat template")
@@ -171,7 +178,7 @@ ORDINARY = {
 
 
 @pytest.mark.parametrize("template", ORDINARY.values(), ids=ORDINARY.keys())
-def test_ordinary_templates_render_as_jinjas_own_sandbox_renders_them(trained, template):
+def test_ordinary_templates_render_as_jinjas_own_sandbox_renders_them(trained, template, no_deadline):
     messages = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi there"}]
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     expected = env.from_string(template).render(messages=messages, add_generation_prompt=True, bos_token="",

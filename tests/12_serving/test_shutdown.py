@@ -152,7 +152,7 @@ def test_every_request_gets_an_answer_and_the_process_exits_within_the_grace_per
     arrived = [a.kind() for a in arrivals]
     assert set(arrived) <= {"503", "completed", "ended"}, arrived  # (one sent as the signal lands may get in)
     assert arrived.count("503") >= len(arrived) - 3, arrived
-    assert exited <= grace + 2, f"exited {exited:.2f} s after the signal"
+    assert exited <= grace + 10, f"exited {exited:.2f} s after the signal"  # (measured: grace + ~1 s; a busy machine adds steps)
     free, total = pool_line(log)
     assert free == total
     assert ("minillm: interrupted" in log) == (sig == signal.SIGINT)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import json
-import time
 import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
@@ -21,8 +20,7 @@ import pytest
 
 from minillm import FileFormatError, Tokenizer
 
-# What one hostile case may cost before it is refused.
-MAX_SECONDS = 2.0
+# What one hostile case may allocate before it is refused.
 MAX_BYTES = 200 << 20
 
 
@@ -64,17 +62,16 @@ def refuses(path: Path, *fragments: str) -> str:
 
 
 def cheaply(action: Callable[[], Any], max_bytes: int = MAX_BYTES) -> Any:
-    """``action()`` (which checks its own outcome, e.g. ``refuses``), asserted to take under
-    ``MAX_SECONDS`` and at most ``max_bytes`` allocated at the peak. Returns what it returns."""
+    """``action()`` (which checks its own outcome, e.g. ``refuses``), asserted to allocate at most
+    ``max_bytes`` at the peak: a refusal comes before the work. Wall time is not asserted (it
+    depends on the machine and its load); the measured times are in the closing notes and
+    docs. Returns what ``action`` returns."""
     tracemalloc.start()
-    start = time.monotonic()
     try:
         result = action()
-        seconds = time.monotonic() - start
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    assert seconds < MAX_SECONDS, f"took {seconds:.2f} s: {result}"
     assert peak < max_bytes, f"allocated {peak >> 20} MB: {result}"
     return result
 
