@@ -10,7 +10,6 @@ and 240,000 empty chat messages were templated (8 s) before any refusal. The one
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -96,14 +95,14 @@ def test_a_request_past_a_limit_is_refused_by_name_before_any_tokenizing(tiny, t
     (COMPLETIONS, {"prompt": ["a"] * 1_500_000}),
     (CHAT, {"messages": [EMPTY] * 240_000}),
 ], ids=["1.5M-prompts", "240k-messages"])
-def test_the_requests_that_took_seconds_are_refused_at_once(tiny, path, body):
+def test_the_requests_that_took_seconds_are_refused_at_once(tiny, tokenizer_calls, path, body):
+    """Refused by their count before any item is tokenised (they took 8-27 s when every prompt
+    was encoded first; measured now: well under a second, not asserted: wall time is the machine's)."""
     served, _ = tiny
-    raw = json.dumps(body).encode()
-    began = time.perf_counter()
-    response = _post(served, path, raw)
-    elapsed = time.perf_counter() - began
+    response = _post(served, path, json.dumps(body).encode())
     assert response.status_code == 400
-    assert elapsed < 2, f"{elapsed:.2f} s: per-item work before the refusal"  # was 8-27 s
+    assert response.json()["error"]["param"] == ("prompt" if path == COMPLETIONS else "messages")
+    assert tokenizer_calls == []
 
 
 def test_the_limits_themselves_are_allowed(tiny, tokenizer_calls):
