@@ -26,7 +26,8 @@ the layers from the bottom, each with the first name after ``minillm.`` of the m
   imports it, so it cannot sit above them), and no part of the engine may lean on transformers.
 * ``top``: what nothing else in minillm may import: ``__main__`` (the command line), the
   package ``__init__`` (``minillm.Engine`` and friends, a re-export of every layer) and
-  ``exercises`` (the notebooks' checkers, which test every layer).
+  ``exercises`` (the notebooks' checkers, which test every layer) and ``plots`` (the
+  notebooks' drawing helpers).
 
 Within one layer (say the modules of ``minillm.tokenizer``) any import is allowed as long as
 it makes no circle. Every import counts: at the top of a module, inside a function (a lazy
@@ -71,7 +72,7 @@ LAYERS = {
     "sampling": ("sampling",),
     "engine": ("engine", "generate"),
     "apps": ("serve", "bench", "reference"),
-    "top": ("__main__", "__init__", "exercises"),
+    "top": ("__main__", "__init__", "exercises", "plots"),
 }
 
 # Modules that must load without torch: the package itself (``import minillm``), the tokenizer
