@@ -96,7 +96,33 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
         stop=tuple(args.stop or ()),
         seed=args.seed,
         n=args.n,
+        response_format=_response_format(args),
+        logprobs=args.logprobs,
     )
+
+
+MAX_SCHEMA_FILE_BYTES = 1 << 20
+
+
+def _response_format(args: argparse.Namespace) -> dict | None:
+    """``--regex``, ``--json-schema FILE`` or ``--json-object`` as an OpenAI response_format."""
+    if args.regex is not None:
+        return {"type": "regex", "regex": args.regex}
+    if args.json_schema is not None:
+        path = Path(args.json_schema)
+        if not path.is_file():
+            raise ValueError(f"--json-schema {path}: no such file")
+        if path.stat().st_size > MAX_SCHEMA_FILE_BYTES:
+            raise ValueError(f"--json-schema {path}: {path.stat().st_size:,} bytes, more than a schema needs "
+                             f"(at most {MAX_SCHEMA_FILE_BYTES:,})")
+        try:
+            schema = json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, ValueError) as err:
+            raise ValueError(f"--json-schema {path}: not a JSON file ({err})") from None
+        return {"type": "json_schema", "json_schema": {"name": path.stem, "schema": schema}}
+    if args.json_object:
+        return {"type": "json_object"}
+    return None
 
 
 def _load(args: argparse.Namespace) -> tuple[Transformer, Tokenizer]:
@@ -123,17 +149,21 @@ def generate(args: argparse.Namespace) -> None:
         prompt_ids = [tok.encode(p) for p in args.prompt]
     engine = Engine(model, tok, block_size=args.block_size, backend=args.backend)
     start = time.perf_counter()
-    results = [(c.text, c.token_ids) for c in engine.generate(prompt_ids, params)]
+    completions = engine.generate(prompt_ids, params)
     originals = [p for p in args.prompt for _ in range(params.n)]
     elapsed = time.perf_counter() - start
-    n_tokens = sum(len(ids) for _, ids in results)
+    n_tokens = sum(len(c.token_ids) for c in completions)
     print(f"minillm: {n_tokens} tokens in {elapsed:.2f} s ({n_tokens / elapsed:.1f} tokens/s, "
           f"backend {engine.backend})", file=sys.stderr)
-    for prompt, (text, ids) in zip(originals, results):
+    for prompt, c in zip(originals, completions):
         if args.json:
-            print(json.dumps({"prompt": prompt, "text": text, "token_ids": ids}, ensure_ascii=False))
+            record = {"prompt": prompt, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}
+            if c.logprobs is not None:
+                record["logprobs"] = [{"token_id": lp.token_id, "logprob": lp.logprob,
+                                       "top": [[i, v] for i, v in lp.top]} for lp in c.logprobs]
+            print(json.dumps(record, ensure_ascii=False))
         else:
-            print(text)
+            print(c.text)
 
 
 def chat(args: argparse.Namespace) -> None:
@@ -279,6 +309,14 @@ def main(argv: list[str] | None = None) -> int:
         sub.add_argument("--seed", type=int, default=None)
         sub.add_argument("--stop", action="append", help="a stop string (not included in the output); repeatable")
         sub.add_argument("--n", type=int, default=1, help="completions per prompt, each its own output row")
+        constrain = sub.add_mutually_exclusive_group()
+        constrain.add_argument("--regex", default=None, metavar="PATTERN",
+                               help="the output must match PATTERN in full (constrained decoding)")
+        constrain.add_argument("--json-schema", default=None, metavar="FILE",
+                               help="the output must be JSON valid against the JSON Schema in FILE")
+        constrain.add_argument("--json-object", action="store_true", help="the output must be a JSON object")
+        sub.add_argument("--logprobs", type=int, default=None, metavar="K",
+                         help="with --json: each token's log-probability and its K best alternatives (0-20)")
 
     gen = commands.add_parser("generate", help="complete prompts with a real model")
     gen.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")

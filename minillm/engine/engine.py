@@ -33,6 +33,7 @@ from minillm.engine.scheduler import ScheduledBatch, Scheduler
 from minillm.errors import GenerationError
 from minillm.model.llama import Transformer
 from minillm.sampling import NO_TOKEN, SamplingParams, SamplingState, make_generator, sample_batch
+from minillm.structured import GrammarState, token_index
 from minillm.tokenizer import Tokenizer
 
 # Far beyond any real use (vLLM's default batch is 256 rows, its blocks 16 tokens), and small
@@ -289,11 +290,21 @@ class Engine:
         prompt_ids = self._encode(prompt, params)
         seed = None if params.seed is None else (params.seed + index) % 2**64  # completion i of n: its own stream
         generator = make_generator(seed, self.model.device)
-        sampling = SamplingState(params, prompt_ids, self.model.config.vocab_size, generator, self.model.device)
+        sampling = SamplingState(params, prompt_ids, self.model.config.vocab_size, generator, self.model.device,
+                                 self._grammar(params))
         request = Request(self._new_seq_id(), _as_text(prompt, self.tokenizer), prompt_ids, params, self.tokenizer, self.eos_ids, sampling)
         if params.max_new_tokens == 0:
             request.finish_reason = "length"
         return request
+
+    def _grammar(self, params: SamplingParams) -> GrammarState | None:
+        """A fresh grammar state for a request with a ``response_format`` (the token index is
+        built, lazily, once per pattern and shared by every request that uses it)."""
+        if params.response_format is None:
+            return None
+        if not self.eos_ids:
+            raise ValueError("response_format needs an end-of-sequence id to end the output (give eos_ids)")
+        return GrammarState(token_index(params.response_format.pattern, self.tokenizer, self.eos_ids))
 
     def _beam_search(self, prompt: Prompt, params: SamplingParams) -> BeamSearch:
         return BeamSearch(self._encode(prompt, params), params, self.eos_ids, self._new_seq_id)
@@ -379,7 +390,7 @@ class Engine:
                 events.append((request, ""))
                 continue
             request.sampling.record(token)
-            events.append((request, request.append(token)))
+            events.append((request, request.append(token, request.sampling.logprob)))
         return events
 
     def _new_seq_id(self) -> int:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from minillm.cache.block_manager import BlockManager
 from minillm.engine.sequence import SequenceGroup
-from minillm.sampling import SamplingParams, SamplingState
+from minillm.sampling import SamplingParams, SamplingState, TokenLogprob
 from minillm.tokenizer import StreamingDetokenizer, Tokenizer
 
 
@@ -32,6 +32,8 @@ class Completion:
     # request alone could not go on: ``error`` says why; the others in its batch were unaffected)
     finish_reason: str
     error: str | None = None
+    # one per token of ``token_ids`` when ``params.logprobs`` asked for them (else None)
+    logprobs: list[TokenLogprob] | None = None
 
 
 class StopStringFilter:
@@ -90,10 +92,13 @@ class Request(SequenceGroup):
     text: str = ""
     finish_reason: str | None = None
     error: str | None = None  # set with finish_reason "error"
+    logprobs: list[TokenLogprob] | None = None  # one per output token, when params.logprobs is set
 
     def __post_init__(self) -> None:
         self._detokenizer = StreamingDetokenizer(self.tokenizer, skip_special_tokens=True)
         self._filter = StopStringFilter(self.params.stop)
+        if self.params.logprobs is not None and self.logprobs is None:
+            self.logprobs = []
 
     @property
     def finished(self) -> bool:
@@ -144,9 +149,12 @@ class Request(SequenceGroup):
         if not self.finished:
             self.finish_reason, self.error = "error", error
 
-    def append(self, token_id: int) -> str:
-        """Record a new token, apply the stop rules, and return the new text to stream."""
+    def append(self, token_id: int, logprob: TokenLogprob | None = None) -> str:
+        """Record a new token (and its log-probability, if asked for), apply the stop rules, and
+        return the new text to stream."""
         self.output_ids.append(token_id)
+        if self.logprobs is not None and logprob is not None:
+            self.logprobs.append(logprob)
         if token_id in self.eos_ids and not self.params.ignore_eos:
             self.finish_reason = "eos"
             delta = self._filter.push(self._detokenizer.flush()) + self._filter.flush()
@@ -161,4 +169,5 @@ class Request(SequenceGroup):
         return delta
 
     def completion(self) -> Completion:
-        return Completion(self.prompt, self.text, list(self.output_ids), self.finish_reason or "length", self.error)
+        return Completion(self.prompt, self.text, list(self.output_ids), self.finish_reason or "length", self.error,
+                          None if self.logprobs is None else list(self.logprobs))

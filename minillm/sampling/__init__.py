@@ -2,9 +2,12 @@
 
 ``SamplingParams`` says how; ``build_processors`` turns it into a chain of logits processors
 (repetition penalty, temperature, top-k, top-p, min-p); ``next_token`` runs the chain and
-applies the decoding rule (argmax or a seeded multinomial draw).
+applies the decoding rule (argmax or a seeded multinomial draw). ``sample_batch`` is the
+engine's one call per step: per-row parameters, logit_bias, the grammar of a
+``response_format``, and the log-probabilities a request asks for.
 """
 
+from minillm.sampling.logprobs import TokenLogprob, token_logprobs
 from minillm.sampling.params import SamplingParams
 from minillm.sampling.processors import (
     LogitsProcessor,
@@ -34,6 +37,7 @@ __all__ = [
     "SamplingState",
     "Temperature",
     "TopK",
+    "TokenLogprob",
     "TopP",
     "apply_processors",
     "build_processors",
@@ -41,4 +45,5 @@ __all__ = [
     "make_generator",
     "next_token",
     "sample_batch",
+    "token_logprobs",
 ]

@@ -14,8 +14,11 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from minillm.structured.constraint import ResponseFormat
 
 _SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes at most 64 bits
 # Temperatures below this decode greedily, as in vLLM (its _SAMPLING_EPS): logits / 1e-40
@@ -32,6 +35,11 @@ LENGTH_PENALTY_LIMIT = 16.0
 # The most completions (n) and beams one set of parameters may ask for: each is an engine row
 # with its own state, and the server allows the same number per request.
 MAX_COMPLETIONS = 128
+# Alternatives reported per token with ``logprobs`` (OpenAI's top_logprobs allows 20).
+MAX_LOGPROBS = 20
+# OpenAI's logit_bias range: -100 bans a token in practice, +100 all but forces it.
+LOGIT_BIAS_LIMIT = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
 def _as_int(name: str, value: Any) -> int:
@@ -51,6 +59,28 @@ def _as_float(name: str, value: Any) -> float:
     if math.isinf(value):
         raise ValueError(f"{name} must be finite, got {value}")
     return value
+
+
+def _as_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    # JSON object keys are strings, so {"1234": -100} is the usual form: accept digit strings.
+    if isinstance(value, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in value):
+        value = dict(value)
+    if not isinstance(value, Mapping):
+        raise TypeError(f"logit_bias must be a dict of token id -> bias, got {type(value).__name__}")
+    if len(value) > MAX_LOGIT_BIAS_ENTRIES:
+        raise ValueError(f"logit_bias has {len(value):,} entries, more than {MAX_LOGIT_BIAS_ENTRIES:,}")
+    out = {}
+    for key, bias in value.items():
+        if isinstance(key, str) and key.strip().isdigit():
+            key = int(key)
+        token = _as_int("logit_bias token id", key)
+        if token < 0:
+            raise ValueError(f"logit_bias token ids must be >= 0, got {token}")
+        bias = _as_float(f"logit_bias[{token}]", bias)
+        if abs(bias) > LOGIT_BIAS_LIMIT:
+            raise ValueError(f"logit_bias[{token}] must be in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], got {bias:g}")
+        out[token] = bias
+    return tuple(sorted(out.items()))
 
 
 def _as_stop(value: Any) -> tuple[str, ...]:
@@ -94,6 +124,17 @@ class SamplingParams:
             get a fixed number of tokens).
         n: completions to generate per prompt (1 to 128); with beam search, the ``n`` best beams
             (``n <= num_beams``, as transformers' ``num_return_sequences``).
+        response_format: the output must match a regex, a JSON Schema or be a JSON object: a
+            ``minillm.structured.ResponseFormat`` or the OpenAI dict
+            (``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}``). Disallowed
+            tokens are masked out before every other processor, and end-of-sequence is allowed
+            only where the output so far is a whole match.
+        logprobs: report each generated token's log-probability and the ``logprobs`` most likely
+            alternatives (0 to 20; None: none). They are the model's own distribution, the log-softmax
+            of the raw logits *before* logit_bias, the grammar and the processors (vLLM's default):
+            what the model thinks of the token, whatever rule picked it.
+        logit_bias: token id -> a number in [-100, 100] added to that token's logit before
+            anything else (OpenAI's ``logit_bias``).
     """
 
     max_new_tokens: int = 64
@@ -108,6 +149,9 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     n: int = 1
+    response_format: ResponseFormat | None = None
+    logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         # Normalise first (int -> float for the float fields, list -> tuple for stop), then
@@ -129,6 +173,13 @@ class SamplingParams:
             object.__setattr__(self, "seed", seed)
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r} ({type(self.ignore_eos).__name__})")
+        object.__setattr__(self, "response_format", ResponseFormat.parse(self.response_format))
+        object.__setattr__(self, "logit_bias", _as_logit_bias(self.logit_bias))
+        if self.logprobs is not None:
+            logprobs = _as_int("logprobs", self.logprobs)
+            if not 0 <= logprobs <= MAX_LOGPROBS:
+                raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] (or None), got {logprobs}")
+            object.__setattr__(self, "logprobs", logprobs)
 
         low, high = REPETITION_PENALTY_RANGE
         checks = [
@@ -155,8 +206,13 @@ class SamplingParams:
                     f"beam search is deterministic: {', '.join(given_for_sampling)} only apply to sampling "
                     f"(num_beams=1); drop them or set num_beams=1"
                 )
+            if self.response_format is not None:
+                raise ValueError("response_format applies to sampled and greedy decoding (num_beams=1), not to beam search")
             if self.n > self.num_beams:
                 raise ValueError(f"n={self.n} completions need at least as many beams, got num_beams={self.num_beams}")
+        if self.response_format is not None and self.ignore_eos:
+            raise ValueError("ignore_eos cannot be combined with response_format: the constrained output ends "
+                             "with end-of-sequence once it is a whole match")
 
     @property
     def is_greedy(self) -> bool:

@@ -14,6 +14,10 @@ request can carry its own seed and get the same tokens however it is batched wit
 nothing else in the program (or another request) can shift its random stream.
 
 Everything here works on whole tensors: no Python loop ever runs over the vocabulary.
+
+Before any processor, ``sample_batch`` adds a request's ``logit_bias`` and masks what its
+grammar (``response_format``) does not allow: temperature and the filters then work on the
+distribution restricted to the allowed tokens (a top-k of 5 keeps the 5 best *allowed* ones).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from collections.abc import Sequence
 
 import torch
 
+from minillm.structured import GrammarState, apply_grammar
+from minillm.sampling.logprobs import TokenLogprob, token_logprobs
 from minillm.sampling.params import SamplingParams
 from minillm.sampling.processors import (LogitsProcessor, RepetitionPenalty, apply_processors, build_processors,
                                         seen_tokens)
@@ -101,25 +107,34 @@ NO_TOKEN = -1
 
 
 class SamplingState:
-    """What one sequence's sampler keeps across steps: its parameters, its random stream, and
-    (only when a repetition penalty asks for it) the set of token ids it has seen so far.
+    """What one sequence's sampler keeps across steps: its parameters, its random stream,
+    (only when a repetition penalty asks for it) the set of token ids it has seen so far, and
+    (only with a ``response_format``) where its output stands in the grammar.
 
     The seen flags [vocab] start from the prompt and gain one token per step (``record``), so
     the penalty never rebuilds a history tensor: the incremental form of ``RepetitionPenalty``.
+    ``record`` also moves the grammar past the token.
     """
 
     def __init__(self, params: SamplingParams, prompt_ids: Sequence[int], vocab_size: int,
-                 generator: torch.Generator | None, device: torch.device | str = "cpu") -> None:
+                 generator: torch.Generator | None, device: torch.device | str = "cpu",
+                 grammar: GrammarState | None = None) -> None:
         self.params = params
         self.generator = generator
+        self.grammar = grammar
         self.error: str | None = None  # why ``sample_batch`` could not draw this row's token (it got NO_TOKEN)
+        self.logprob: TokenLogprob | None = None  # the last token's, when params.logprobs asks for them
         self.seen: torch.Tensor | None = None
         if params.repetition_penalty != 1.0:
             self.seen = seen_tokens(torch.tensor([list(prompt_ids)]), vocab_size, device)[0].clone()
+        if params.logit_bias and (bad := [t for t, _ in params.logit_bias if t >= vocab_size]):
+            raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary (vocab_size {vocab_size})")
 
     def record(self, token_id: int) -> None:
         if self.seen is not None and 0 <= token_id < self.seen.shape[0]:
             self.seen[token_id] = True
+        if self.grammar is not None:
+            self.grammar.advance(token_id)
 
 
 def sample_batch(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
@@ -131,13 +146,18 @@ def sample_batch(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch
     ``next_token`` on that row alone). Greedy rows take the argmax; sampled rows draw with
     their own generator, so a seeded request gets the same tokens however it is batched.
 
-    One bad row never fails the others: a row whose scores hold a NaN, or whose probabilities
-    are not finite after its processors (an overflow), gets ``NO_TOKEN`` and the reason in
-    ``states[row].error``; every other row is sampled exactly as it would be without it.
+    First the per-row adjustments: ``logit_bias`` added, the grammar's disallowed tokens set to
+    ``-inf``. Rows that ask for ``logprobs`` get them in ``states[row].logprob`` (of the raw
+    logits: see ``minillm.sampling.logprobs``).
+
+    One bad row never fails the others: a row whose scores hold a NaN, whose grammar allows no
+    token, or whose probabilities are not finite after its processors (an overflow), gets
+    ``NO_TOKEN`` and the reason in ``states[row].error``; every other row is sampled exactly as
+    it would be without it.
     """
     if logits.dim() != 2 or logits.shape[0] != len(states):
         raise ValueError(f"logits must be [rows, vocab] with one row per state ({len(states)}), got {tuple(logits.shape)}")
-    scores = logits.float()
+    scores = _biased_and_masked(logits.float(), states)
     tokens = torch.empty(len(states), dtype=torch.long, device=logits.device)
     groups: dict[SamplingParams, list[int]] = {}
     for row, state in enumerate(states):
@@ -151,7 +171,7 @@ def sample_batch(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch
             group = RepetitionPenalty(params.repetition_penalty).apply_seen(seen, group)
         if params.is_greedy:  # (temperature and the filters could not change the argmax)
             picked = argmax(group)
-            bad = torch.isnan(group).any(dim=-1)
+            bad = torch.isnan(group).any(dim=-1) | torch.isneginf(group).all(dim=-1)
         else:
             no_history = torch.empty(len(rows), 0, dtype=torch.long, device=logits.device)  # none of them reads it
             probs = apply_processors(_draw_processors(params), no_history, group).softmax(dim=-1)
@@ -165,19 +185,48 @@ def sample_batch(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch
                     picked[i] = torch.multinomial(probs[i : i + 1], num_samples=1, generator=generator)[0, 0]
         if bad.any():  # one host read, only when a row failed
             for i in bad.nonzero()[:, 0].tolist():
-                states[rows[i]].error = _why_unusable(logits[rows[i]], params)
+                states[rows[i]].error = _why_unusable(logits[rows[i]], states[rows[i]])
             picked[bad] = NO_TOKEN
         if index is None:
             tokens = picked
         else:
             tokens[index] = picked
+    _record_logprobs(logits, states, tokens)
     return tokens
 
 
-def _why_unusable(logits: torch.Tensor, params: SamplingParams) -> str:
+def _biased_and_masked(scores: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+    """``scores`` with each row's logit_bias added and its grammar applied (a copy, only if any)."""
+    biased = [(row, s.params.logit_bias) for row, s in enumerate(states) if s.params.logit_bias]
+    if biased:
+        scores = scores.clone()
+        for row, bias in biased:
+            ids, values = zip(*bias)
+            scores[row, list(ids)] += torch.tensor(values, dtype=scores.dtype, device=scores.device)
+    constrained = [row for row, s in enumerate(states) if s.grammar is not None]
+    return apply_grammar(scores, constrained, [states[row].grammar for row in constrained])
+
+
+def _record_logprobs(logits: torch.Tensor, states: Sequence[SamplingState], tokens: torch.Tensor) -> None:
+    rows = [row for row, s in enumerate(states) if s.params.logprobs is not None]
+    if not rows:
+        return
+    k = max(states[row].params.logprobs for row in rows)  # type: ignore[type-var]
+    picked = tokens[rows].tolist()
+    for row, found in zip(rows, token_logprobs(logits[rows], picked, k)):
+        keep = states[row].params.logprobs
+        states[row].logprob = None if found.token_id < 0 else \
+            TokenLogprob(found.token_id, found.logprob, found.top[:keep])
+
+
+def _why_unusable(logits: torch.Tensor, state: SamplingState) -> str:
     """The reason one row's scores could not be sampled, for the error that ends its request."""
+    params = state.params
     if torch.isnan(logits).any():
         return f"the model's logits hold NaN ({int(torch.isnan(logits).sum())} of {logits.numel()})"
+    if state.grammar is not None and state.grammar.is_dead_end:
+        return (f"no token of the vocabulary can continue the output under its response_format "
+                f"(grammar {state.grammar})")
     return (f"the scores are not finite after the logits processors (temperature={params.temperature}, "
             f"repetition_penalty={params.repetition_penalty}): an overflow")
 
