@@ -29,7 +29,7 @@ class TokenLogprob:
 def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], k: int) -> list[TokenLogprob]:
     """For each row of ``logits`` [rows, vocab], the log-probability of ``tokens[row]`` and the
     ``k`` best tokens of that row (one log-softmax and one top-k for all rows, in float32)."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
+    logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
     index = torch.as_tensor(list(tokens), dtype=torch.long, device=logits.device).clamp(min=0)
     chosen = logp.gather(-1, index[:, None])[:, 0].tolist()
     if k > 0:

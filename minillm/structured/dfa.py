@@ -37,6 +37,11 @@ from minillm.structured.nfa import MAX_NFA_STATES, NFA, pattern_to_nfa
 from minillm.structured.regex import GrammarTooLarge
 
 MAX_DFA_STATES = 10_000
+# The subset construction's work: NFA states visited, summed over the DFA states it makes. A
+# pattern with few DFA states can still make each one a set of thousands of NFA states
+# ("[a-z]{1,400}" forty times over: after k letters the input may be in any of the 40 parts), and
+# the time goes with the sum. Bounding it bounds the time (about a second) whatever the pattern.
+MAX_SUBSET_WORK = 2_000_000
 DEAD = 0
 
 
@@ -88,7 +93,7 @@ def byte_classes(nfa: NFA) -> np.ndarray:
     return np.cumsum(cuts[:256]).astype(np.int32)
 
 
-def determinize(nfa: NFA, max_states: int = MAX_DFA_STATES) -> DFA:
+def determinize(nfa: NFA, max_states: int = MAX_DFA_STATES, max_work: int = MAX_SUBSET_WORK) -> DFA:
     """The subset construction (untrimmed, unminimized): DFA state ``k`` is a set of NFA states."""
     classes = byte_classes(nfa)
     n_classes = int(classes[-1]) + 1
@@ -114,8 +119,13 @@ def determinize(nfa: NFA, max_states: int = MAX_DFA_STATES) -> DFA:
     sets = [frozenset(), start]
     rows: list[list[int]] = [[DEAD] * n_classes]
     todo = deque([start])
+    work = 0
     while todo:
         current = todo.popleft()
+        work += len(current)
+        if work > max_work:
+            raise GrammarTooLarge("the pattern's subset construction (NFA states visited)", work,
+                                  "MAX_SUBSET_WORK", max_work)
         targets: list[set[int]] = [set() for _ in range(n_classes)]
         for s in current:
             move = moves[s]
@@ -128,6 +138,7 @@ def determinize(nfa: NFA, max_states: int = MAX_DFA_STATES) -> DFA:
             key = frozenset(found)
             if key not in made:  # many classes share one target set: close it once
                 nxt = frozenset().union(*(closure(t) for t in key)) if key else frozenset()
+                work += len(nxt)
                 if nxt not in ids:
                     if len(ids) >= max_states:
                         raise GrammarTooLarge("the pattern's DFA", len(ids) + 1, "MAX_DFA_STATES", max_states)
