@@ -50,9 +50,11 @@ fuzz: setup
 # JupyterLab draws a saved widget (and other rich output) only in a notebook this user trusts;
 # trusting is a signature in the user's Jupyter data dir, so it is redone on each start (a
 # re-executed notebook needs a new one). Checked in Chromium by tests/browser/check_lab.py.
+# JupyterLab refuses to run as root (containers, many workshop VMs) unless told --allow-root.
+LAB_FLAGS = $(if $(filter 0,$(shell id -u)),--allow-root)
 lab: setup
 	$(PYTHON) -m jupyter trust notebooks/*.ipynb
-	$(PYTHON) -m jupyter lab notebooks
+	$(PYTHON) -m jupyter lab notebooks $(LAB_FLAGS)
 
 # Every benchmark but `bench gpu`, the check for a lent CUDA machine: `python -m minillm bench gpu
 # prepare .gpu` here, then `python -m minillm bench gpu run .gpu --out DIR` there, carrying .gpu.

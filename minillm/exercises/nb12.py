@@ -1,21 +1,42 @@
-"""Exercises of notebook 12 (serving): the block hash chain of prefix caching, and one step of a
-token-budget scheduler (chunked prefill).
+"""Exercises of notebook 12 (serving): the block hash chain of prefix caching, one step of a
+token-budget scheduler (chunked prefill), and the Server-Sent Events of a streamed answer.
 
 The expected answers come from the package: ``BlockManager.prefix_keys`` (the keys the engine
-stores for every full block) and ``minillm.engine.prefill_chunk_sizes`` (the split the engine's
-``_prefill`` runs). Each classic mistake is written out as the function a learner would write, so
-a wrong answer of that kind is named.
+stores for every full block), ``minillm.engine.prefill_chunk_sizes`` (the split the engine's
+``_prefill`` runs) and ``minillm.serve.protocol`` (the chunks the server streams). The classic
+mistakes of the first two are written out in ``nb12_mistakes`` as the functions a learner would
+write, so a wrong answer of that kind is named; the stream's are format errors, named by reading
+the frames the way a client does.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import types
 from collections.abc import Callable, Sequence
 
 from minillm.cache import BlockManager
 from minillm.engine import prefill_chunk_sizes
-from minillm.exercises import Mistake, Rule, check
+from minillm.exercises import Mistake, Rule, _print_hints, _short, check
+from minillm.exercises.nb12_mistakes import (
+    chain,
+    keys_chained_on_tokens,
+    keys_unchained,
+    keys_unchained_plain,
+    keys_whole_prefix,
+    keys_with_partial,
+    step_budget_each,
+    step_decodes_in_budget,
+    step_equal_split,
+    step_first_only,
+    step_newest_first,
+    step_no_decodes,
+    step_prefill_before_decodes,
+    step_waiting_left_out,
+    step_whole_prompts,
+)
+from minillm.serve.protocol import Reply, sse
 
 # --- a rule for both: write the mechanism, do not call the package's ---------------------------------
 
@@ -71,69 +92,26 @@ def _key_cases() -> list[tuple[tuple[list[int], int], list[int]]]:
     return [((tokens, bs), package_keys(tokens, bs)) for tokens, bs in inputs]
 
 
-def _full_blocks(tokens: Sequence[int], block_size: int) -> list[tuple[int, ...]]:
-    return [tuple(tokens[i : i + block_size]) for i in range(0, len(tokens) - block_size + 1, block_size)]
-
-
-def _keys_unchained(tokens: Sequence[int], block_size: int) -> list[int]:
-    return [hash((None, block)) for block in _full_blocks(tokens, block_size)]
-
-
-def _keys_unchained_plain(tokens: Sequence[int], block_size: int) -> list[int]:
-    return [hash(block) for block in _full_blocks(tokens, block_size)]
-
-
-def _keys_with_partial(tokens: Sequence[int], block_size: int) -> list[int]:
-    keys, previous = [], None
-    for i in range(0, len(tokens), block_size):
-        previous = hash((previous, tuple(tokens[i : i + block_size])))
-        keys.append(previous)
-    return keys
-
-
-def _keys_whole_prefix(tokens: Sequence[int], block_size: int) -> list[int]:
-    return [hash(tuple(tokens[: i + block_size])) for i in range(0, len(tokens) - block_size + 1, block_size)]
-
-
-def _keys_chained_on_tokens(tokens: Sequence[int], block_size: int) -> list[int]:
-    blocks = _full_blocks(tokens, block_size)
-    return [hash((blocks[i - 1] if i else None, block)) for i, block in enumerate(blocks)]
-
-
-def _chain(start: object, pair: Callable[[object, tuple[int, ...]], tuple[object, object]]
-           ) -> Callable[[Sequence[int], int], list[int]]:
-    def keys(tokens: Sequence[int], block_size: int) -> list[int]:
-        out: list[int] = []
-        previous = start
-        for block in _full_blocks(tokens, block_size):
-            key = hash(pair(previous, block))
-            out.append(key)
-            previous = key
-        return out
-
-    return keys
-
-
 UNCHAINED = ("each key hashes only its own block: two prompts that differ in block 0 but hold the same tokens in "
              "block 1 would share block 1's key, and a request would reuse K/V that were computed attending to "
              "another prefix. Chain it: hash((previous_key, block)).")
 
 KEY_MISTAKES = [
-    Mistake(_keys_unchained, UNCHAINED),
-    Mistake(_keys_unchained_plain, UNCHAINED),
-    Mistake(_keys_with_partial, "the partial last block got a key: its next tokens are still to be written, and a "
+    Mistake(keys_unchained, UNCHAINED),
+    Mistake(keys_unchained_plain, UNCHAINED),
+    Mistake(keys_with_partial, "the partial last block got a key: its next tokens are still to be written, and a "
                                 "longer prompt with the same start would find a block that holds only part of its "
                                 "tokens. Key full blocks only (len(tokens) // block_size keys)."),
-    Mistake(_keys_whole_prefix, "each key hashes the whole prefix from token 0: equal keys do mean equal prefixes, "
+    Mistake(keys_whole_prefix, "each key hashes the whole prefix from token 0: equal keys do mean equal prefixes, "
                                 "but the work grows with the square of the prompt length, and these are not the "
                                 "package's keys. Hash the previous *key* with this block: hash((previous, block))."),
-    Mistake(_keys_chained_on_tokens, "each key is chained on the previous block's tokens, not on its key: a key "
+    Mistake(keys_chained_on_tokens, "each key is chained on the previous block's tokens, not on its key: a key "
                                      "must name the whole prefix, and two prompts that differ in block 0 only would "
                                      "share block 2's key. Chain on the previous key."),
-    Mistake(_chain(0, lambda prev, block: (prev, block)),
+    Mistake(chain(0, lambda prev, block: (prev, block)),
             "the chain starts from 0: the first block has no previous key, which the package writes as None "
             "(hash((None, block)))."),
-    Mistake(_chain(None, lambda prev, block: (block, prev)),
+    Mistake(chain(None, lambda prev, block: (block, prev)),
             "the pair is in the other order: hash((previous, block)), the previous key first (a tuple's hash depends "
             "on its order)."),
 ]
@@ -185,79 +163,27 @@ def _step_cases() -> list[tuple[tuple[list[str], list[tuple[str, int]], int | No
     return [((list(d), list(p), b), package_step(d, p, b)) for d, p, b in inputs]
 
 
-def _limit(budget: int | None) -> float:
-    return float("inf") if budget is None else budget
-
-
-def _step_whole_prompts(decoding: Sequence[str], prefilling: Prefilling, budget: int | None) -> dict[str, int]:
-    return {d: 1 for d in decoding} | {p: n for p, n in prefilling}
-
-
-def _step_budget_each(decoding: Sequence[str], prefilling: Prefilling, budget: int | None) -> dict[str, int]:
-    return {d: 1 for d in decoding} | {p: int(min(n, _limit(budget))) for p, n in prefilling}
-
-
-def _step_first_only(decoding: Sequence[str], prefilling: Prefilling, budget: int | None) -> dict[str, int]:
-    return {d: 1 for d in decoding} | {p: int(min(n, _limit(budget))) if i == 0 else 0
-                                      for i, (p, n) in enumerate(prefilling)}
-
-
-def _step_newest_first(decoding: Sequence[str], prefilling: Prefilling, budget: int | None) -> dict[str, int]:
-    order = list(prefilling)[::-1]
-    chunks = dict(zip([p for p, _ in order], prefill_chunk_sizes([n for _, n in order], budget)))
-    return {d: 1 for d in decoding} | {p: chunks[p] for p, _ in prefilling}
-
-
-def _step_prefill_before_decodes(decoding: Sequence[str], prefilling: Prefilling, budget: int | None) -> dict[str, int]:
-    chunks = prefill_chunk_sizes([n for _, n in prefilling], budget)
-    left = _limit(budget) - sum(chunks)
-    decodes = {}
-    for d in decoding:
-        decodes[d] = 1 if left >= 1 else 0
-        left -= decodes[d]
-    return decodes | {p: n for (p, _), n in zip(prefilling, chunks)}
-
-
-def _step_decodes_in_budget(decoding: Sequence[str], prefilling: Prefilling, budget: int | None) -> dict[str, int]:
-    left = _limit(budget) - len(decoding)
-    chunks = prefill_chunk_sizes([n for _, n in prefilling], None if budget is None else max(int(left), 0))
-    return {d: 1 for d in decoding} | {p: n for (p, _), n in zip(prefilling, chunks)}
-
-
-def _step_equal_split(decoding: Sequence[str], prefilling: Prefilling, budget: int | None) -> dict[str, int]:
-    share = _limit(budget) / max(len(prefilling), 1)
-    return {d: 1 for d in decoding} | {p: int(min(n, share)) for p, n in prefilling}
-
-
-def _step_no_decodes(decoding: Sequence[str], prefilling: Prefilling, budget: int | None) -> dict[str, int]:
-    return {p: n for (p, _), n in zip(prefilling, prefill_chunk_sizes([n for _, n in prefilling], budget))}
-
-
-def _step_waiting_left_out(decoding: Sequence[str], prefilling: Prefilling, budget: int | None) -> dict[str, int]:
-    return {k: v for k, v in package_step(decoding, prefilling, budget).items() if v > 0}
-
-
 STEP_MISTAKES = [
-    Mistake(_step_no_decodes, "the running requests are missing: each one decodes its next token every step "
+    Mistake(step_no_decodes, "the running requests are missing: each one decodes its next token every step "
                               "(1 each), before any prompt is computed."),
-    Mistake(_step_whole_prompts, "the budget was ignored: every prompt got all its remaining tokens, so a long "
+    Mistake(step_whole_prompts, "the budget was ignored: every prompt got all its remaining tokens, so a long "
                                  "prompt stalls the step again. A step computes at most `budget` prompt tokens."),
-    Mistake(_step_budget_each, "each prompt got up to the whole budget, so the step exceeds it: the budget is the "
+    Mistake(step_budget_each, "each prompt got up to the whole budget, so the step exceeds it: the budget is the "
                                "step's, shared — what the first prompt takes, the next one cannot."),
-    Mistake(_step_first_only, "only the oldest prompt got tokens: when it needs less than the budget, what is left "
+    Mistake(step_first_only, "only the oldest prompt got tokens: when it needs less than the budget, what is left "
                               "goes to the next prompt in arrival order."),
-    Mistake(_step_newest_first, "the newest prompt went first: prompts are served in arrival order (first come, "
+    Mistake(step_newest_first, "the newest prompt went first: prompts are served in arrival order (first come, "
                                 "first served), so the oldest one finishes first and none waits forever."),
-    Mistake(_step_prefill_before_decodes, "the decodes were starved: the prompts took the budget first and the "
+    Mistake(step_prefill_before_decodes, "the decodes were starved: the prompts took the budget first and the "
                                           "running requests got what was left. Every running request decodes one "
                                           "token each step, whatever the budget; the budget is for prompt tokens."),
-    Mistake(_step_decodes_in_budget, "the decodes were counted against the budget: that is vLLM's rule "
+    Mistake(step_decodes_in_budget, "the decodes were counted against the budget: that is vLLM's rule "
                                      "(max_num_batched_tokens counts every token of the step); this engine's "
                                      "prefill_chunk_tokens caps the prompt tokens only, the decodes come on top."),
-    Mistake(_step_equal_split, "the budget was split evenly between the prompts: fair, but then every prompt "
+    Mistake(step_equal_split, "the budget was split evenly between the prompts: fair, but then every prompt "
                                "finishes late. The engine fills the budget in arrival order, so the oldest prompt "
                                "gets its first token soonest."),
-    Mistake(_step_waiting_left_out, "a prompt that waits this step is missing: every request appears in the "
+    Mistake(step_waiting_left_out, "a prompt that waits this step is missing: every request appears in the "
                                     "answer, with 0 when it gets no tokens this step."),
 ]
 
@@ -281,3 +207,202 @@ def check_token_budget_step(fn: Callable[[list[str], list[tuple[str, int]], int 
     prompts' chunks in arrival order within ``budget`` (None: no limit), 0 for a prompt that waits."""
     return check("token_budget_step", fn, _step_cases(), hint=hint, hints=STEP_HINTS, mistakes=STEP_MISTAKES,
                  rules=[NO_PACKAGE_SPLIT])
+
+
+# --- exercise 3: a streamed answer as Server-Sent Events ------------------------------------------------
+
+DONE = "data: [DONE]\n\n"
+HEAD = {"id": "chatcmpl-5e4c1b9a", "created": 1_700_000_000, "model": "SmolLM2-135M-Instruct"}
+
+
+def package_frames(pieces: Sequence[str], finish_reason: str, head: dict[str, object]) -> list[str]:
+    """The frames ``minillm.serve`` writes for one streamed chat answer (``app._stream``, one choice,
+    no usage): the role chunk, a chunk per piece, the finish reason's chunk, then ``[DONE]``."""
+    reply = Reply(True, str(head["model"]), str(head["id"]), int(head["created"]))  # type: ignore[call-overload]
+    chunks = [reply.chunk(0, role=True)] + [reply.chunk(0, p) for p in pieces]
+    return [sse(c) for c in chunks + [reply.chunk(0, finish_reason=finish_reason)]] + [DONE]
+
+
+def to_sse_chunks_solution(pieces: list[str], finish_reason: str, head: dict[str, object]) -> list[str]:
+    """One frame per event: ``data: <one line of JSON>`` and a blank line; the role first, the finish
+    reason last (null before), and OpenAI's ``[DONE]`` sentinel to close."""
+    def frame(delta: dict[str, str], finish: str | None = None) -> str:
+        chunk = {"id": head["id"], "object": "chat.completion.chunk", "created": head["created"],
+                 "model": head["model"],
+                 "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+        return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"  # json.dumps escapes quotes and newlines
+
+    deltas = [{"role": "assistant", "content": ""}] + [{"content": piece} for piece in pieces]
+    return [frame(d) for d in deltas] + [frame({}, finish_reason), "data: [DONE]\n\n"]
+
+
+SSE_INPUTS = [
+    (["The", " capital", " of", " France", " is", " Paris", "."], "stop"),
+    (['She said "hi"', " and left.\n", "Next line"], "length"),  # quotes and a newline inside the text
+    (["café ", "🐉", " 東京", " a\\b", "\ttab"], "stop"),  # non-ASCII, a backslash, a tab
+    ([], "stop"),  # an answer that ended at once (end-of-sequence first): no text, still a role and an end
+]
+
+NO_BLANK_LINE = ("frame {i} ends with a single newline: an event ends with a *blank line* (\\n\\n). Without it "
+                 "the client takes the next frame's `data:` line as more of this event's data and parses neither.")
+NOT_ESCAPED = ("frame {i}'s data is not one line of valid JSON ({error}): the text was pasted into the JSON "
+               "unescaped, so a quote ends the string early, a newline cuts the `data:` line, a tab is not allowed in a JSON string. Build the chunk as a "
+               "dict and let json.dumps write it (it escapes quotes, newlines and backslashes).")
+NO_DONE = ("the stream does not end with `data: [DONE]` and a blank line: OpenAI's streams close with that "
+           "sentinel, and a client that never sees it cannot tell a finished answer from a dropped connection.")
+FINISH_EVERYWHERE = ("every chunk carries a finish_reason: a client takes a non-null finish_reason as the end of "
+                     "the answer and stops after the first chunk. It is null (None) until the last chunk.")
+NO_FINISH = ("no chunk says why the answer ended: the last chunk before [DONE] has an empty delta ({{}}) and "
+             "finish_reason {reason!r}.")
+FINISH_WITH_TEXT = ("the finish_reason came with the last piece of text: the server sends it in a chunk of its own, "
+                    "with an empty delta ({}), after the text (there may be no text at all).")
+NO_ROLE = ("the first chunk's delta has no role: OpenAI's stream opens with {\"role\": \"assistant\", "
+           "\"content\": \"\"}, and the pieces follow as {\"content\": piece}, one chunk each.")
+
+SSE_HINTS = [
+    "A frame is `data: ` + one line of JSON + a blank line (\"\\n\\n\"). The chunks, in order: one whose delta is "
+    "{\"role\": \"assistant\", \"content\": \"\"}, one per piece with delta {\"content\": piece}, one with an "
+    "empty delta and the finish_reason; then the frame \"data: [DONE]\\n\\n\".",
+    "Every chunk is {\"id\": head[\"id\"], \"object\": \"chat.completion.chunk\", \"created\": head[\"created\"], "
+    "\"model\": head[\"model\"], \"choices\": [{\"index\": 0, \"delta\": ..., \"logprobs\": None, "
+    "\"finish_reason\": None or the reason}]}. Write it with json.dumps, never by pasting text into a string.",
+    "def frame(delta, finish=None):\n"
+    "    chunk = {\"id\": head[\"id\"], \"object\": \"chat.completion.chunk\", \"created\": head[\"created\"],\n"
+    "             \"model\": head[\"model\"], \"choices\": [{\"index\": 0, \"delta\": delta, \"logprobs\": None,\n"
+    "                                             \"finish_reason\": finish}]}\n"
+    "    return \"data: \" + json.dumps(chunk) + \"\\n\\n\"\n"
+    "deltas = [{\"role\": \"assistant\", \"content\": \"\"}] + [{\"content\": p} for p in pieces]\n"
+    "return [frame(d) for d in deltas] + [frame({}, finish_reason), \"data: [DONE]\\n\\n\"]",
+]
+
+
+def read_frame(frame: object, i: int) -> tuple[object, str | None]:
+    """What a client reads from one frame: the parsed JSON (or ``"[DONE]"``), or the named problem."""
+    if not isinstance(frame, str):
+        return None, f"frame {i} is {_short(frame, 60)}, not a str: each frame is the text written to the socket."
+    if not frame.startswith("data:"):
+        return None, (f"frame {i} does not start with `data:` ({_short(frame, 40)}): an event's lines are "
+                      "`field: value`, and a client reads the `data` lines only.")
+    if not frame.endswith("\n\n"):
+        return None, NO_BLANK_LINE.format(i=i) if frame.endswith("\n") else (
+            f"frame {i} has no line end: an event is its `data:` line and a blank line after it (\\n\\n).")
+    data = frame[len("data:"):-2]
+    data = data.removeprefix(" ")  # one space after the colon is optional
+    if data == "[DONE]":
+        return data, None
+    try:
+        if "\n" in data:
+            raise ValueError("a raw newline inside the data")
+        return json.loads(data), None
+    except ValueError as err:
+        return None, NOT_ESCAPED.format(i=i, error=str(err).split(":")[0])
+
+
+def _choice(chunk: object) -> dict[str, object]:
+    choices = chunk.get("choices") if isinstance(chunk, dict) else None
+    return choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+
+
+def _delta(choice: dict[str, object]) -> dict[str, object]:
+    delta = choice.get("delta")
+    return delta if isinstance(delta, dict) else {}
+
+
+def sse_problem(frames: object, pieces: Sequence[str], finish_reason: str, head: dict[str, object]) -> str | None:
+    """The first thing a client would trip on in ``frames``, named; None when they are the server's."""
+    if isinstance(frames, str):
+        return ("it returned one string: return a list of frames, one string per event, as the server writes "
+                "them, each as soon as its piece of text exists.")
+    if not isinstance(frames, (list, tuple)):
+        return f"it returned {_short(frames, 60)}: return a list of frames (str)."
+    read = [read_frame(f, i) for i, f in enumerate(frames)]
+    for _, problem in read:
+        if problem:
+            return problem
+    events = [event for event, _ in read]
+    if not events or events[-1] != "[DONE]":
+        return NO_DONE
+    if "[DONE]" in events[:-1]:
+        return f"[DONE] comes at frame {events.index('[DONE]')}, before the end: it closes the stream, only last."
+    chunks = events[:-1]
+    choices = [_choice(c) for c in chunks]
+    finishes = [c.get("finish_reason") for c in choices]
+    if len(chunks) > 1 and all(f is not None for f in finishes):
+        return FINISH_EVERYWHERE
+    if not chunks or finishes[-1] is None:
+        return NO_FINISH.format(reason=finish_reason)
+    if _delta(choices[0]).get("role") != "assistant":
+        return NO_ROLE
+    if _delta(choices[-1]).get("content"):
+        return FINISH_WITH_TEXT
+    text = "".join(str(_delta(c).get("content") or "") for c in choices)
+    if text != "".join(pieces):
+        by_hand = any(c in "".join(pieces) for c in "\\\t\n\"")
+        return (f"the content deltas add up to {_short(text, 60)}, not the pieces' text {_short(''.join(pieces), 60)}"
+                + (": an escape written by hand? A backslash must be escaped too (\\\\); json.dumps does it all."
+                   if by_hand else "."))
+    want = [json.loads(f[len("data: "):]) for f in package_frames(pieces, finish_reason, head)[:-1]]
+    if len(chunks) != len(want):
+        return (f"{len(chunks)} chunks before [DONE] instead of {len(want)}: the role, one per piece (a client "
+                "shows each piece as it comes, so none is merged or split), and the finish reason.")
+    for i, (got, expected) in enumerate(zip(chunks, want)):
+        if got != expected:
+            return f"chunk {i}: {_difference(got, expected, '')}"
+    return None
+
+
+def _difference(got: object, want: object, path: str) -> str:
+    """Where two parsed chunks first differ: the field's path, and what the server has there."""
+    if isinstance(got, dict) and isinstance(want, dict):
+        field = (path + ".") if path else ""
+        for key in want:
+            if key not in got:
+                return f"`{field}{key}` is missing (the server sends {_short(want[key], 80)})."
+            if got[key] != want[key]:
+                return _difference(got[key], want[key], f"{field}{key}")
+        extra = next(key for key in got if key not in want)
+        return f"`{field}{extra}` is not in the server's chunk."
+    if isinstance(got, list) and isinstance(want, list) and len(got) == len(want):
+        i = next(i for i, (g, w) in enumerate(zip(got, want)) if g != w)
+        return _difference(got[i], want[i], f"{path}[{i}]")
+    return f"`{path}` is {_short(got, 80)}; the server sends {_short(want, 80)}."
+
+
+def _uses_the_server(fn: Callable[..., object], args: tuple[object, ...]) -> str | None:
+    """A rule: the learner's function does not call the server's own chunk builders."""
+    code, found = getattr(fn, "__code__", None), set()
+    codes = [code]
+    while codes:
+        code = codes.pop()
+        if code is not None:
+            found.update(code.co_names)
+            codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    scope = getattr(fn, "__globals__", {})
+    for name in sorted(found):
+        if scope.get(name) in (Reply, sse, package_frames):
+            return f"it uses `{name}`, the server's own chunk builder: write the chunks yourself."
+    return None
+
+
+def check_to_sse_chunks(fn: Callable[[list[str], str, dict[str, object]], list[str]], hint: int = 0) -> bool:
+    """``fn(pieces, finish_reason, head)`` -> the frames ``minillm.serve`` streams for that answer,
+    read as a client reads them: the same JSON in each frame (spacing and key order are free)."""
+    for pieces, reason in SSE_INPUTS:
+        head = dict(HEAD)
+        call = f"{getattr(fn, '__name__', 'to_sse_chunks')}({_short(pieces, 70)}, {reason!r}, head)"
+        try:
+            frames = fn(list(pieces), reason, head)
+        except NotImplementedError:
+            print("⏳ to_sse_chunks: not attempted yet — replace the `raise NotImplementedError` with your code.")
+            return False
+        except Exception as err:  # the learner's code may fail in any way; report it, don't crash
+            print(f"❌ to_sse_chunks: {call} raised {type(err).__name__}: {err}")
+            _print_hints("to_sse_chunks", hint, SSE_HINTS)
+            return False
+        problem = sse_problem(frames, pieces, reason, head) or _uses_the_server(fn, ())
+        if problem:
+            print(f"❌ to_sse_chunks: {call}:\n   🔎 {problem}")
+            _print_hints("to_sse_chunks", hint, SSE_HINTS)
+            return False
+    print(f"✅ to_sse_chunks: all {len(SSE_INPUTS)} checks pass.")
+    return True

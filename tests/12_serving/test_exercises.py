@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
+import httpx
 import pytest
 
 from minillm.cache import BlockManager
 from minillm.engine import prefill_chunk_sizes
 from minillm.exercises import nb12
+from minillm.exercises.nb12 import package_frames
 
 # --- the right answers, written as a learner would ---------------------------------------------------
 
@@ -279,3 +283,168 @@ def test_hints_come_in_tiers(capsys):
     nb12.check_prefix_keys(_keys_not_chained, hint=2)
     out = capsys.readouterr().out
     assert "Hint 1/3" in out and "Hint 2/3" in out and "Hint 3/3" not in out and "hint=3" in out
+
+
+# --- exercise 3: the Server-Sent Events of a streamed answer ----------------------------------------------
+
+
+def _chunk(head, delta, finish=None):
+    return {"id": head["id"], "object": "chat.completion.chunk", "created": head["created"], "model": head["model"],
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+
+
+def _deltas(pieces):
+    return [{"role": "assistant", "content": ""}] + [{"content": p} for p in pieces]
+
+
+def _sse_right(pieces, finish_reason, head):
+    chunks = [_chunk(head, d) for d in _deltas(pieces)] + [_chunk(head, {}, finish_reason)]
+    return [f"data: {json.dumps(c, ensure_ascii=False)}\n\n" for c in chunks] + ["data: [DONE]\n\n"]
+
+
+def _sse_ascii_compact(pieces, finish_reason, head):
+    # the same events, written otherwise: \u escapes, no spaces, keys in another order, no space after "data:"
+    chunks = [_chunk(head, d) for d in _deltas(pieces)] + [_chunk(head, {}, finish_reason)]
+    return ["data:" + json.dumps(dict(reversed(c.items())), separators=(",", ":")) + "\n\n" for c in chunks] \
+        + ["data: [DONE]\n\n"]
+
+
+@pytest.mark.parametrize("right", [nb12.to_sse_chunks_solution, _sse_right, _sse_ascii_compact],
+                         ids=["solution", "learner", "ascii-compact"])
+def test_sse_right_answers_pass(capsys, right):
+    assert nb12.check_to_sse_chunks(right) is True
+    assert "✅" in capsys.readouterr().out
+
+
+def test_sse_stub_says_not_attempted(capsys):
+    def to_sse_chunks(pieces, finish_reason, head):
+        raise NotImplementedError
+
+    assert nb12.check_to_sse_chunks(to_sse_chunks) is False
+    assert "⏳" in capsys.readouterr().out
+
+
+def _sse_single_newline(pieces, finish_reason, head):
+    return [frame[:-1] for frame in _sse_right(pieces, finish_reason, head)]
+
+
+def _sse_finish_everywhere(pieces, finish_reason, head):
+    chunks = [_chunk(head, d, finish_reason) for d in _deltas(pieces)] + [_chunk(head, {}, finish_reason)]
+    return [f"data: {json.dumps(c)}\n\n" for c in chunks] + ["data: [DONE]\n\n"]
+
+
+def _sse_no_done(pieces, finish_reason, head):
+    return _sse_right(pieces, finish_reason, head)[:-1]
+
+
+def _sse_fstring(pieces, finish_reason, head):
+    def frame(delta, finish):
+        return (f'data: {{"id": "{head["id"]}", "object": "chat.completion.chunk", "created": {head["created"]}, '
+                f'"model": "{head["model"]}", "choices": [{{"index": 0, "delta": {delta}, "logprobs": null, '
+                f'"finish_reason": {finish}}}]}}\n\n')
+
+    frames = [frame('{"role": "assistant", "content": ""}', "null")]
+    frames += [frame(f'{{"content": "{piece}"}}', "null") for piece in pieces]  # the text pasted in as it is
+    return frames + [frame("{}", f'"{finish_reason}"'), "data: [DONE]\n\n"]
+
+
+def _sse_quotes_escaped_by_hand(pieces, finish_reason, head):
+    escaped = [p.replace('"', '\\"') for p in pieces]  # quotes done, newlines forgotten
+    return _sse_fstring(escaped, finish_reason, head)
+
+
+def _sse_backslash_forgotten(pieces, finish_reason, head):
+    escaped = [p.replace('"', '\\"').replace("\n", "\\n").replace("\t", "\\t") for p in pieces]  # not the \ itself
+    return _sse_fstring(escaped, finish_reason, head)
+
+
+def _sse_no_role(pieces, finish_reason, head):
+    chunks = [_chunk(head, {"content": p}) for p in pieces] + [_chunk(head, {}, finish_reason)]
+    return [f"data: {json.dumps(c)}\n\n" for c in chunks] + ["data: [DONE]\n\n"]
+
+
+def _sse_no_finish(pieces, finish_reason, head):
+    chunks = [_chunk(head, d) for d in _deltas(pieces)]
+    return [f"data: {json.dumps(c)}\n\n" for c in chunks] + ["data: [DONE]\n\n"]
+
+
+def _sse_finish_on_last_piece(pieces, finish_reason, head):
+    deltas = _deltas(pieces)
+    chunks = [_chunk(head, d, finish_reason if i == len(deltas) - 1 else None) for i, d in enumerate(deltas)]
+    return [f"data: {json.dumps(c)}\n\n" for c in chunks] + ["data: [DONE]\n\n"]
+
+
+def _sse_one_string(pieces, finish_reason, head):
+    return "".join(_sse_right(pieces, finish_reason, head))
+
+
+def _sse_pieces_merged(pieces, finish_reason, head):
+    return _sse_right(["".join(pieces)] if pieces else [], finish_reason, head)
+
+
+def _sse_no_object(pieces, finish_reason, head):
+    chunks = [_chunk(head, d) for d in _deltas(pieces)] + [_chunk(head, {}, finish_reason)]
+    return [f"data: {json.dumps({k: v for k, v in c.items() if k != 'object'})}\n\n" for c in chunks] \
+        + ["data: [DONE]\n\n"]
+
+
+def _sse_with_the_server(pieces, finish_reason, head):
+    return package_frames(pieces, finish_reason, head)
+
+
+@pytest.mark.parametrize(
+    "wrong, says",
+    [
+        (_sse_single_newline, "ends with a single newline"),
+        (_sse_finish_everywhere, "every chunk carries a finish_reason"),
+        (_sse_no_done, "does not end with `data: [DONE]`"),
+        (_sse_fstring, "pasted into the JSON unescaped"),
+        (_sse_quotes_escaped_by_hand, "pasted into the JSON unescaped"),
+        (_sse_backslash_forgotten, "escape written by hand"),
+        (_sse_no_role, "first chunk's delta has no role"),
+        (_sse_no_finish, "no chunk says why the answer ended"),
+        (_sse_finish_on_last_piece, "came with the last piece of text"),
+        (_sse_one_string, "returned one string"),
+        (_sse_pieces_merged, "one per piece"),
+        (_sse_no_object, "`object` is missing"),
+        (_sse_with_the_server, "the server's own chunk builder"),
+    ],
+    ids=["blank-line", "finish-everywhere", "no-done", "not-escaped", "newline-not-escaped", "backslash",
+         "no-role", "no-finish", "finish-with-text", "one-string", "merged", "no-object", "server"],
+)
+def test_sse_mistakes_are_named(capsys, wrong, says):
+    assert nb12.check_to_sse_chunks(wrong) is False
+    out = capsys.readouterr().out
+    assert "❌" in out and says in out, out
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tmp_path_factory, tiny_tokenizer):
+    """The real server on a tiny random model (what it says does not matter: only its framing)."""
+    from helpers.checkpoints import tiny_hf_checkpoint
+    from helpers.serving import serving
+
+    from minillm import Engine, load_model
+
+    folder = tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny", tiny_tokenizer, "llama",
+                                max_position_embeddings=512, vocab_size=300)
+    model, tok = load_model(folder, device="cpu")
+    with serving(Engine(model, tok, backend="eager", kv_cache_tokens=1024), "tiny") as served:
+        yield served
+
+
+def test_the_check_expects_the_bytes_the_server_streams(tiny_server):
+    """What the check compares with (package_frames) and the solution are what the server writes,
+    byte for byte, on the pieces of a real streamed answer."""
+    body = {"model": "tiny", "stream": True, "max_tokens": 12, "temperature": 0,
+            "messages": [{"role": "user", "content": 'Say "hi"\nplease'}]}
+    with httpx.stream("POST", f"{tiny_server.url}/v1/chat/completions", json=body, timeout=60) as response:
+        raw = "".join(response.iter_text())
+    frames = [f + "\n\n" for f in raw.split("\n\n")[:-1]]
+    chunks = [json.loads(f[len("data: "):]) for f in frames[:-1]]
+    head = {k: chunks[0][k] for k in ("id", "created", "model")}
+    pieces = [c["choices"][0]["delta"]["content"] for c in chunks[1:-1]]
+    reason = chunks[-1]["choices"][0]["finish_reason"]
+    assert pieces and reason in ("stop", "length")
+    assert "".join(package_frames(pieces, reason, head)) == raw
+    assert "".join(nb12.to_sse_chunks_solution(pieces, reason, head)) == raw
