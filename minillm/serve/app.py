@@ -35,6 +35,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request as HttpRequest
 
 from minillm.engine import Engine
+from minillm.sampling import SamplingParams
 from minillm.serve.metrics import Metrics
 from minillm.serve.protocol import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
@@ -45,6 +46,7 @@ from minillm.serve.protocol import (
     CompletionBody,
     GenerationBody,
     Reply,
+    TokenLogprobs,
     clip,
     parse_body,
     read_body,
@@ -56,6 +58,7 @@ from minillm.serve.protocol import (
 from minillm.serve.security import Guard, Policy, is_loopback, page_headers, uvicorn_config
 from minillm.serve.shutdown import Drain, DrainMiddleware, SignalStop
 from minillm.serve.worker import Delta, EngineWorker, Failed, Finished, Job
+from minillm.structured import token_index
 
 
 class _JobStream(StreamingResponse):
@@ -196,10 +199,23 @@ class Server:
                                 f"({prompt_tokens} in the {param}, {wanted} in the completion). Please reduce the "
                                 f"length of the {param} or completion.", param=param, code="context_length_exceeded")
 
+    def _grammar_index(self, params: SamplingParams) -> None:
+        """Compile the response_format's automaton into the shared index cache (bounded in time
+        by the automaton's limits), so a schema too large is a 400 and the engine's thread, which
+        finds the index cached, never stalls the other streams building it."""
+        engine = self.worker.engine
+        try:
+            token_index(params.response_format.pattern, engine.tokenizer, engine.eos_ids)  # type: ignore[union-attr]
+        except ValueError as err:
+            raise ApiError(400, f"response_format: {err}", param="response_format",
+                           code="invalid_response_format") from err
+
     # -- generation
     async def _generate(self, request: HttpRequest, body: GenerationBody, prompts: list[list[int]],
                         max_tokens: int, arrival: float, chat: bool) -> Response:
         params = body.sampling_params(max_tokens)
+        if params.response_format is not None:  # build the automaton here, not in the engine's thread
+            await run_in_threadpool(self._grammar_index, params)
         # Choice i of a prompt's n draws from seed + i, as Engine.generate numbers them.
         choices = [(ids, params if params.seed is None else replace(params, seed=(params.seed + i) % 2**64))
                    for ids in prompts for i in range(body.n)]
@@ -219,17 +235,20 @@ class Server:
         """The Server-Sent Events of one job: a role chunk per choice (chat), the text as it comes,
         a chunk with each choice's finish reason, the usage if asked for, then ``[DONE]``."""
         finished = completion_tokens = 0
+        offsets = [0] * len(job.choices)  # characters of each choice streamed so far (legacy text_offset)
         if reply.chat:
             for index in range(len(job.choices)):
                 yield sse(reply.chunk(index, role=True))
         while finished < len(job.choices):
             event = await job.events.get()
             if isinstance(event, Delta):
-                yield sse(reply.chunk(event.index, event.text))
+                yield sse(reply.chunk(event.index, event.text, logprobs=event.logprobs, offset=offsets[event.index]))
+                offsets[event.index] += len(event.text)
             elif isinstance(event, Finished):
                 finished += 1
                 completion_tokens += event.completion_tokens
-                yield sse(reply.chunk(event.index, finish_reason=event.finish_reason))
+                yield sse(reply.chunk(event.index, finish_reason=event.finish_reason, logprobs=event.logprobs or None,
+                                      offset=offsets[event.index]))
             elif isinstance(event, Failed):  # the status line is sent already: the error goes in the stream
                 yield sse(event.error.body())
                 break
@@ -242,11 +261,14 @@ class Server:
         """The whole answer of a non-streaming request; aborted if the client disconnects meanwhile."""
         n = len(job.choices)
         texts, reasons = [""] * n, ["length"] * n
+        logprobs: list[list[TokenLogprobs] | None] = [None] * n
         finished = completion_tokens = 0
         watcher = asyncio.create_task(_end_on_disconnect(request, job))
         try:
             while finished < n:
                 event = await job.events.get()
+                if isinstance(event, (Delta, Finished)) and event.logprobs is not None:
+                    logprobs[event.index] = (logprobs[event.index] or []) + event.logprobs
                 if isinstance(event, Delta):
                     texts[event.index] += event.text
                 elif isinstance(event, Finished):
@@ -259,7 +281,7 @@ class Server:
             watcher.cancel()
             if finished < n:
                 self.worker.abort(job)
-        return reply.response(texts, reasons, token_usage(prompt_tokens, completion_tokens))
+        return reply.response(texts, reasons, token_usage(prompt_tokens, completion_tokens), logprobs)
 
     # -- stopping (see ``shutdown``)
     async def shutdown(self, grace: float) -> None:

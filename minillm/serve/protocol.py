@@ -21,7 +21,8 @@ from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
 
 from minillm.sampling import SamplingParams
-from minillm.sampling.params import MAX_COMPLETIONS, REPETITION_PENALTY_RANGE
+from minillm.sampling.params import MAX_COMPLETIONS, MAX_LOGPROBS, REPETITION_PENALTY_RANGE
+from minillm.structured import ResponseFormat
 
 log = logging.getLogger("minillm.serve")
 
@@ -140,10 +141,18 @@ class GenerationBody(_Body):
     min_p: float = Field(0.0, ge=0, le=1)
     repetition_penalty: float = Field(1.0, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
     ignore_eos: bool = False
+    # token id (a JSON key, so a string) -> a bias in [-100, 100], added to the logit
+    logit_bias: Optional[dict[str, float]] = None
+    # {"type": "text" | "json_object" | "json_schema" | "regex", ...}: see minillm.structured.constraint
+    response_format: Optional[dict[str, Any]] = None
 
     @classmethod
     def check_counts(cls, data: Any) -> None:
         """Refuse a body whose lists are past their limits, before each of their items is validated."""
+
+    def logprobs_count(self) -> int | None:
+        """How many alternatives to report per token, or None for no logprobs at all."""
+        return None
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -153,11 +162,17 @@ class GenerationBody(_Body):
                                     "instead; send that field, or leave this one at 0", param=name,
                                code="unsupported_parameter")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        try:  # a schema or pattern outside what minillm supports is named here, before any work
+            response_format = ResponseFormat.parse(self.response_format)
+        except (TypeError, ValueError) as err:
+            raise ApiError(400, f"response_format: {err}", param="response_format",
+                           code="invalid_response_format") from err
         try:
             return SamplingParams(max_new_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                                   top_k=max(self.top_k, 0), min_p=self.min_p,
                                   repetition_penalty=self.repetition_penalty, stop=stop, seed=self.seed,
-                                  ignore_eos=self.ignore_eos)
+                                  ignore_eos=self.ignore_eos, response_format=response_format,
+                                  logit_bias=self.logit_bias or {}, logprobs=self.logprobs_count())
         except (TypeError, ValueError) as err:  # the fields above are checked already: a second net
             raise ApiError(400, str(err)) from err
 
@@ -165,6 +180,13 @@ class GenerationBody(_Body):
 class ChatCompletionBody(GenerationBody):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)  # the newer name of max_tokens
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def logprobs_count(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @classmethod
     def check_counts(cls, data: Any) -> None:
@@ -178,6 +200,10 @@ class ChatCompletionBody(GenerationBody):
 class CompletionBody(GenerationBody):
     # a prompt, a list of prompts, token ids, or a list of token-id prompts (as OpenAI accepts)
     prompt: Union[str, list[str], list[int], list[list[int]]]
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)  # the legacy API: a count, not a flag
+
+    def logprobs_count(self) -> int | None:
+        return self.logprobs
 
     @classmethod
     def check_counts(cls, data: Any) -> None:
@@ -198,9 +224,8 @@ class CompletionBody(GenerationBody):
 
 # OpenAI fields this server cannot honour, with the values that mean "not used".
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False), "top_logprobs": (None, 0), "logit_bias": (None, {}), "tools": (None, []),
-    "tool_choice": (None, "none", "auto"), "functions": (None, []), "function_call": (None, "none", "auto"),
-    "response_format": (None, {"type": "text"}), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
+    "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
+    "function_call": (None, "none", "auto"), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
 }
 
 
@@ -211,6 +236,18 @@ def refuse_unsupported(body: BaseModel) -> None:
 
 
 # --------------------------------------------------------------------------- responses
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One generated token for the wire: its text and bytes (a token may hold part of a UTF-8
+    character: ``token`` then shows U+FFFD and ``token_bytes`` the truth), its log-probability,
+    and the best alternatives as (text, bytes, log-probability)."""
+
+    token: str
+    token_bytes: bytes
+    logprob: float
+    top: tuple[tuple[str, bytes, float], ...] = ()
+
+
 @dataclass(frozen=True)
 class Reply:
     """Builds the OpenAI objects of one response: chat (``message``/``delta``) or text completion."""
@@ -230,26 +267,49 @@ class Reply:
                 **extra}
 
     def chunk(self, index: int, text: str | None = None, finish_reason: str | None = None,
-              role: bool = False) -> dict[str, Any]:
+              role: bool = False, logprobs: list[TokenLogprobs] | None = None, offset: int = 0) -> dict[str, Any]:
+        """One streamed chunk of choice ``index``; ``logprobs``, when asked for, are those of the
+        tokens this chunk brings (``offset``: where its text starts in the choice's, for the legacy
+        API's ``text_offset``)."""
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if text is not None:
                 delta["content"] = text
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": self._logprobs(logprobs, offset),
+                      "finish_reason": finish_reason}
             return self._object("chat.completion.chunk", [choice])
-        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text or "", "logprobs": self._logprobs(logprobs, offset),
+                  "finish_reason": finish_reason}
         return self._object("text_completion", [choice])
+
+    def _logprobs(self, entries: list[TokenLogprobs] | None, offset: int = 0) -> dict[str, Any] | None:
+        """OpenAI's two shapes: chat's ``{"content": [{token, logprob, bytes, top_logprobs}]}``, and
+        the legacy completions' parallel lists (tokens, token_logprobs, top_logprobs, text_offset)."""
+        if entries is None:
+            return None
+        if self.chat:
+            return {"content": [{"token": e.token, "logprob": e.logprob, "bytes": list(e.token_bytes),
+                                 "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(b)} for t, b, lp in e.top]}
+                                for e in entries]}
+        offsets = []
+        for e in entries:
+            offsets.append(offset)
+            offset += len(e.token)
+        return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{t: lp for t, _, lp in e.top} for e in entries], "text_offset": offsets}
 
     def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
         return self._object("chat.completion.chunk" if self.chat else "text_completion", [], usage=usage)
 
-    def response(self, texts: list[str], finish_reasons: list[str], usage: dict[str, int]) -> dict[str, Any]:
+    def response(self, texts: list[str], finish_reasons: list[str], usage: dict[str, int],
+                 logprobs: list[list[TokenLogprobs] | None] | None = None) -> dict[str, Any]:
+        logprobs = logprobs or [None] * len(texts)
         if self.chat:
-            choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None,
-                        "finish_reason": r} for i, (t, r) in enumerate(zip(texts, finish_reasons))]
+            choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": self._logprobs(lp),
+                        "finish_reason": r} for i, (t, r, lp) in enumerate(zip(texts, finish_reasons, logprobs))]
             return self._object("chat.completion", choices, usage=usage)
-        choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": r}
-                   for i, (t, r) in enumerate(zip(texts, finish_reasons))]
+        choices = [{"index": i, "text": t, "logprobs": self._logprobs(lp), "finish_reason": r}
+                   for i, (t, r, lp) in enumerate(zip(texts, finish_reasons, logprobs))]
         return self._object("text_completion", choices, usage=usage)
 
 

@@ -31,7 +31,8 @@ from minillm.engine import Engine
 from minillm.engine.request import Request
 from minillm.sampling import SamplingParams
 from minillm.serve.metrics import EngineSnapshot, Metrics
-from minillm.serve.protocol import FINISH_REASONS, ApiError, shutting_down
+from minillm.sampling import TokenLogprob
+from minillm.serve.protocol import FINISH_REASONS, ApiError, TokenLogprobs, shutting_down
 
 log = logging.getLogger("minillm.serve")
 
@@ -46,6 +47,7 @@ class Accepted:
 class Delta:
     index: int  # the choice
     text: str
+    logprobs: list[TokenLogprobs] | None = None  # the tokens since the last Delta, when asked for
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ class Finished:
     index: int
     finish_reason: str  # OpenAI's: "stop" or "length"
     completion_tokens: int
+    logprobs: list[TokenLogprobs] | None = None  # tokens no Delta carried (held back text, the eos)
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,7 @@ class EngineWorker:
         self.error: str | None = None  # set if the engine thread itself failed: /health says why
         self._commands: queue.Queue[Command | None] = queue.Queue()  # None: stop
         self._owners: dict[Request, tuple[Job, int]] = {}  # unfinished engine request -> (its job, choice index)
+        self._logprobs_sent: dict[Request, int] = {}  # how many of a request's logprobs went out
         self._first_token_at: dict[Request, float] = {}
         self._thread: threading.Thread | None = None  # set by start()
         self._closed = False  # stop() was called: submit() fails a job at once (under _lock, with the queue)
@@ -242,7 +246,7 @@ class EngineWorker:
                 self._first_token_at[request] = now
                 first_token_waits.append(now - job.arrival)
             if text:  # empty while the detokenizer or a stop string holds text back
-                job.send(Delta(index, text))
+                job.send(Delta(index, text, self._new_logprobs(request)))
         self.metrics.step(now, len(events), first_token_waits)
 
     def _retire(self) -> None:
@@ -258,7 +262,23 @@ class EngineWorker:
                 reason = FINISH_REASONS[request.finish_reason or "length"]
                 first = self._first_token_at.pop(request, now)
                 self.metrics.finish(reason, len(request.output_ids), now - first)
-                job.send(Finished(index, reason, len(request.output_ids)))
+                job.send(Finished(index, reason, len(request.output_ids), self._new_logprobs(request)))
+                self._logprobs_sent.pop(request, None)
+
+    def _new_logprobs(self, request: Request) -> list[TokenLogprobs] | None:
+        """The log-probabilities of the tokens ``request`` made since the last call (None if it
+        did not ask for them), with each token's text and bytes for the wire."""
+        if request.logprobs is None:
+            return None
+        sent = self._logprobs_sent.get(request, 0)
+        self._logprobs_sent[request] = len(request.logprobs)
+        return [self._for_wire(lp) for lp in request.logprobs[sent:]]
+
+    def _for_wire(self, lp: TokenLogprob) -> TokenLogprobs:
+        def text(token_id: int) -> tuple[str, bytes]:
+            raw = self.engine.tokenizer.decode_bytes([token_id])
+            return raw.decode("utf-8", "replace"), raw
+        return TokenLogprobs(*text(lp.token_id), lp.logprob, tuple((*text(i), v) for i, v in lp.top))
 
     def _fail(self, job: Job, error: ApiError) -> None:
         for request in job.requests:

@@ -3,7 +3,7 @@
 The pipeline, one module per step::
 
     pattern --regex.parse--> tree --nfa.compile_nfa--> NFA over bytes --dfa--> minimal DFA
-    JSON Schema --json_schema.schema_to_regex--> pattern
+    JSON Schema --json_schema.schema_to_regex--> pattern   (constraint.ResponseFormat: the API's forms)
     DFA + tokenizer --index.token_index--> allowed tokens and next state, per DFA state
     per request: processor.GrammarState; per batch: processor.apply_grammar (logits -> -inf)
 
@@ -11,6 +11,7 @@ It sits between the tokenizer (it reads the vocabulary's bytes) and sampling (th
 masks the logits with it); it knows nothing of the model, the cache or the engine.
 """
 
+from minillm.structured.constraint import ResponseFormat
 from minillm.structured.dfa import DEAD, DFA, MAX_DFA_STATES, compile_regex, find_difference
 from minillm.structured.index import TokenIndex, VocabTrie, token_index, vocab_trie
 from minillm.structured.json_schema import SchemaError, json_object_regex, json_value_regex, schema_to_regex
@@ -27,6 +28,7 @@ __all__ = [
     "GrammarState",
     "GrammarTooLarge",
     "RegexError",
+    "ResponseFormat",
     "SchemaError",
     "TokenIndex",
     "VocabTrie",

@@ -29,6 +29,7 @@ fingerprint of the tokenizer's vocabulary, so every request with the same schema
 from __future__ import annotations
 
 import hashlib
+import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -192,6 +193,7 @@ class TokenIndex:
 
 
 _INDEXES: OrderedDict[tuple, TokenIndex] = OrderedDict()
+_INDEXES_LOCK = threading.Lock()  # the server compiles in a request thread, the engine reads in its own
 
 
 def token_index(pattern: str, tokenizer: Tokenizer, eos_ids: Iterable[int] | None = None) -> TokenIndex:
@@ -205,12 +207,14 @@ def token_index(pattern: str, tokenizer: Tokenizer, eos_ids: Iterable[int] | Non
         eos_ids = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
     eos = tuple(sorted({int(i) for i in eos_ids if i is not None}))
     key = (pattern, trie.fingerprint, eos)
-    index = _INDEXES.get(key)
-    if index is None:
-        index = TokenIndex(compile_regex(pattern), trie, eos)
-        _INDEXES[key] = index
+    with _INDEXES_LOCK:
+        index = _INDEXES.get(key)
+        if index is not None:
+            _INDEXES.move_to_end(key)
+            return index
+    index = TokenIndex(compile_regex(pattern), trie, eos)  # (outside the lock: it may take a second)
+    with _INDEXES_LOCK:
+        index = _INDEXES.setdefault(key, index)
         while len(_INDEXES) > MAX_CACHED_INDEXES:
             _INDEXES.popitem(last=False)
-    else:
-        _INDEXES.move_to_end(key)
     return index
