@@ -78,7 +78,7 @@ def kv_outgrows_gpu(config: Any, name: str, dtype: torch.dtype = torch.bfloat16)
 
     contexts = [2**k for k in range(10, 18)]
     weights = memory_budget(config, 1, 1, dtype).weights
-    fig, ax = plt.subplots(figsize=(7, 4))
+    _, ax = plt.subplots(figsize=(7, 4))
     for batch in (1, 4, 16, 64):
         ax.plot(contexts, [memory_budget(config, batch, n, dtype).kv_cache / GiB for n in contexts],
                 "o-", label=f"batch {batch}")

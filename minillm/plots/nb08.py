@@ -33,7 +33,7 @@ def contiguous_reservation(prompt_lengths: Sequence[int], max_new: int, stops_af
         layout[row][start - n_prompt:start] = [1] * n_prompt
         layout[row][start:] = [2] * n_out + [3] * (max_new - n_out)
     colors = ["0.8", "C0", "C2", "mistyrose"]
-    fig, ax = plt.subplots(figsize=(10, 1.8))
+    _, ax = plt.subplots(figsize=(10, 1.8))
     ax.imshow(layout, cmap=ListedColormap(colors), vmin=-0.5, vmax=3.5, aspect="auto")
     ax.set(yticks=range(len(layout)), yticklabels=[f"request {i}" for i in range(len(layout))],
            xlabel="slot (column of the cache)")
@@ -50,7 +50,7 @@ def draw_pool(cache: Any, title: str = "", figsize: tuple[float, float] = (11, 3
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch, Rectangle
 
-    fig, ax = plt.subplots(figsize=figsize)
+    _, ax = plt.subplots(figsize=figsize)
     bs, ref_counts, n_blocks = cache.block_size, cache.allocator.ref_counts, cache.allocator.num_blocks
     owners: dict[int, list[tuple[int, int]]] = {}  # block -> [(seq, index in its table)]
     for s, table in cache.block_tables.items():
