@@ -129,6 +129,12 @@ class _MaskHidesDiagonal(ContiguousKVCache):
         return (torch.arange(self.length + q_len)[None, :] < q_pos)[None, None]
 
 
+class _MaskSeesTheNextKey(ContiguousKVCache):
+    def mask(self, attention_mask: torch.Tensor | None, q_len: int) -> torch.Tensor:
+        q_pos = torch.arange(self.length, self.length + q_len)[:, None]
+        return (torch.arange(self.length + q_len)[None, :] <= q_pos + 1)[None, None]
+
+
 class _MaskOverOldKeys(ContiguousKVCache):
     def mask(self, attention_mask: torch.Tensor | None, q_len: int) -> torch.Tensor:
         return torch.ones(1, 1, q_len, self.length, dtype=torch.bool)
@@ -183,6 +189,8 @@ CACHE_MISTAKES = [
                 "query must not see the tokens after it (key j is visible to query i when j <= past_length + i)."),
     _as_mistake(_MaskHidesDiagonal, "your mask hides the diagonal (key < query position instead of <=): a token "
                 "must see itself."),
+    _as_mistake(_MaskSeesTheNextKey, "your mask lets each new query see the key right after it (key <= query "
+                "position + 1): a token sees itself and the tokens before it, never one after (key j <= past_length + i)."),
     _as_mistake(_MaskOverOldKeys, "your mask covers only the keys stored before this step: it needs "
                 "past_length + q_len columns, the new keys included."),
 ]
@@ -305,7 +313,9 @@ CROSSOVER_MISTAKES = [
     Mistake(lambda c, b: parameter_count(c) / (b * _kv_numbers(c, c.n_heads)),
             "you counted the query heads: the cache holds the *KV* heads only (GQA)."),
     Mistake(lambda c, b: parameter_count(c) / (b * _kv_numbers(c, c.n_kv_heads, factor=1)),
-            "both K and V are read for every cached token: the factor 2."),
+            "both K and V are read for every cached token: the factor 2. (Or the weights and the cache are counted "
+            "in different number formats, 4-byte weights against 2-byte K/V: a step reads both in the model's one "
+            "format, so the bytes per number cancel; count numbers.)"),
     Mistake(lambda c, b: float(parameter_count(c) // (b * _kv_numbers(c, c.n_kv_heads))),
             "keep the fraction: the crossover is a ratio of bytes (a float), not a whole number of tokens."),
 ]
@@ -343,6 +353,9 @@ def _fits(config: ModelConfig, gpu_bytes: int, context: int, dtype: torch.dtype)
 FIT_MISTAKES = [
     Mistake(lambda c, g, n, d: g // memory_budget(c, 1, n, d).kv_cache,
             "the weights are missing: they take their share of the GPU first; only the rest holds KV caches."),
+    Mistake(lambda c, g, n, d: g // memory_budget(c, 1, n, d).total,
+            "you counted the weights once per sequence (gpu_bytes // one sequence's weights + KV cache): the weights "
+            "are loaded once and shared by the whole batch; subtract them once, then divide what is left."),
     Mistake(lambda c, g, n, d: (g - memory_budget(c, 1, n, d).weights) // memory_budget(c, 1, n, d).kv_cache,
             "not even one sequence fits here: return 0, not a negative batch."),
     Mistake(lambda c, g, n, d: -(-(g - memory_budget(c, 1, n, d).weights) // memory_budget(c, 1, n, d).kv_cache),

@@ -27,6 +27,7 @@ from minillm.exercises.nb08_mistakes import (
     ForkSharesTheList,
     ForkWithoutCounting,
     FreeAlwaysReturns,
+    FreedToTheBottom,
     FreeForgetsTheOthers,
     NoCopyOnWrite,
     PopsAnEmptyList,
@@ -42,7 +43,9 @@ TINY = ModelConfig(vocab_size=1, hidden_size=2, n_layers=1, n_heads=1, n_kv_head
 
 # ------------------------------------------------------------------ exercise: where a token lives
 
-SLOT_CASES_IN = [(0, [7, 3], 4), (3, [7, 3], 4), (5, [7, 3], 4), (20, [2, 9, 4], 8), (6, [5, 0, 2, 1, 3, 8, 6], 1)]
+# positions in the first, a middle and the last block of their tables (a token does not always live in the last)
+SLOT_CASES_IN = [(0, [7, 3], 4), (3, [7, 3], 4), (5, [7, 3], 4), (20, [2, 9, 4], 8), (9, [4, 11, 2, 7], 4),
+                 (6, [5, 0, 2, 1, 3, 8, 6], 1), (3, [5, 0, 2, 1, 3, 8, 6], 1)]
 
 
 def _package_slot(position: int, block_table: list[int], block_size: int) -> tuple[int, int]:
@@ -62,6 +65,8 @@ SLOT_MISTAKES = [
             "not the position in the sequence."),
     Mistake(lambda p, t, bs: (t[p % len(t)], p // bs), "position // block_size picks the table entry and "
             "position % block_size the offset inside that block."),
+    Mistake(lambda p, t, bs: (t[-1], p % bs), "you returned the sequence's last block: that is where its *next* "
+            "token goes, but a token at any position lives in block_table[position // block_size]."),
 ]
 
 SLOT_HINTS = [
@@ -79,10 +84,12 @@ def check_slot_of(fn: Callable[[int, list[int], int], tuple[int, int]], hint: in
 
 # ------------------------------------------------------------------ exercise: blocks for a sequence
 
-BLOCKS_CASES_IN = [(0, 16), (1, 16), (16, 16), (17, 16), (500, 1), (38, 8)]
+BLOCKS_CASES_IN = [(1, 16), (16, 16), (17, 16), (0, 16), (500, 1), (38, 8)]
 
 BLOCKS_MISTAKES = [
     Mistake(lambda n, bs: n // bs, "you rounded down: a partly filled block is still a whole block taken."),
+    Mistake(lambda n, bs: max(1, -(-n // bs)), "an empty sequence takes no block: 0 tokens -> 0 blocks (a "
+            "sequence takes its first block when its first token arrives)."),
     Mistake(lambda n, bs: n // bs + 1, "one too many when the length is a multiple of the block size "
             "(16 tokens in blocks of 16 take 1 block), and 0 tokens take none."),
     Mistake(lambda n, bs: n / bs, "a number of blocks is a whole number (an int): round up."),
@@ -297,8 +304,10 @@ FREED_WHILE_HELD = ("a block went back on the free list while another sequence s
                     "otherwise the next allocation hands out a block someone is still reading.")
 
 MANAGER_MISTAKES = [
-    _as_mistake(adapted(FifoAllocator), "your allocator hands out blocks in another order: the free list is a stack "
-                "(pop() from its end gives 0, 1, 2, ... at first, then the most recently freed block)."),
+    *(_as_mistake(adapted(order), "your allocator hands out blocks in another order: the free list is a stack "
+                  "(pop() from its end gives 0, 1, 2, ... at first; a freed block is pushed back on the end, "
+                  "append(), so the most recently freed block is the next one out).")
+      for order in (FifoAllocator, FreedToTheBottom)),
     _as_mistake(adapted(PopsAnEmptyList, AllocatesOnDemand),
                 "allocate() on an empty free list must raise OutOfBlocksError (the step is "
                 "refused and the scheduler decides what to preempt), not IndexError."),

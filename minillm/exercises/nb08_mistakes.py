@@ -57,6 +57,17 @@ class FifoAllocator(BlockAllocator):
         return block
 
 
+class FreedToTheBottom(BlockAllocator):
+    """Pushes a freed block under the others (``insert(0, ...)``): it comes out last, not next."""
+
+    def free(self, block: int) -> None:
+        if self.ref_counts[block] == 0:
+            raise ValueError(f"block {block} is already free")
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            self.free_list.insert(0, block)
+
+
 class PopsAnEmptyList(BlockAllocator):
     def allocate(self) -> int:
         block = self.free_list.pop()

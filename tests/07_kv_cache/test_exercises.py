@@ -80,6 +80,30 @@ class MaskWithoutTheNewKeys(RightCache):
         return torch.ones(1, 1, q_len, self.length, dtype=torch.bool)
 
 
+class SeesOneKeyAhead(RightCache):
+    def mask(self, attention_mask, q_len):
+        end = self.length + q_len
+        return (torch.arange(end)[None, :] <= torch.arange(self.length, end)[:, None] + 1)[None, None]
+
+
+class MaskWithoutBatchAndHeadDims(RightCache):
+    def mask(self, attention_mask, q_len):
+        return super().mask(attention_mask, q_len)[0, 0]
+
+
+class LengthAdvancedInUpdate(RightCache):
+    """Counts the new tokens in layer 0's update, so every later layer writes them one step too far."""
+
+    def update(self, layer, k, v):
+        keys, values = super().update(layer, k, v)
+        if layer == 0:
+            self.length += k.shape[2]
+        return keys, values
+
+    def advance(self, q_len):
+        pass
+
+
 class Concatenating(RightCache):
     def update(self, layer, k, v):
         end = self.length + k.shape[2]
@@ -136,13 +160,21 @@ def test_right_cache_passes(capsys):
         (OneBufferSharedByTheLayers, "every layer reads and writes one and the same buffer"),
         (UpdateIgnoresTheLayer, "every layer reads and writes one and the same buffer"),
         (ValuesNeverWritten, "update() never writes v"),
+        (SeesOneKeyAhead, "see the key right after it"),
     ],
     ids=["offset-0", "off-by-one-short", "off-by-one-long", "queries-at-start", "not-causal", "mask-too-short", "cat",
-         "cat-values", "shared-buffer", "ignores-layer", "values-never-written"],
+         "cat-values", "shared-buffer", "ignores-layer", "values-never-written", "sees-next-key"],
 )
 def test_cache_mistakes_are_named(capsys, wrong, says):
     assert nb07.check_kv_cache(wrong) is False
     assert says in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("wrong", [MaskWithoutBatchAndHeadDims, LengthAdvancedInUpdate], ids=["mask-2d", "length-in-update"])
+def test_other_wrong_caches_fail(capsys, wrong):
+    """Wrong in ways no named mistake describes: the check still fails them, and says what differs."""
+    assert nb07.check_kv_cache(wrong) is False
+    assert "❌ kv_cache" in capsys.readouterr().out
 
 
 def test_every_layer_is_compared(capsys):
@@ -171,14 +203,19 @@ def _bytes(config, dtype):
     return 2 * config.n_layers * config.n_kv_heads * config.head_dim * torch.empty((), dtype=dtype).element_size()
 
 
+def test_bytes_per_token_other_right_answers(capsys):
+    assert nb07.check_kv_bytes_per_token(lambda c, d: 2 * c.n_layers * c.n_kv_heads * c.head_dim * d.itemsize) is True
+
+
 @pytest.mark.parametrize(
     "wrong, says",
     [
         (lambda c, d: _bytes(c, d) * c.n_heads // c.n_kv_heads, "*query* heads"),
         (lambda c, d: _bytes(c, d) // 2, "factor 2"),
         (lambda c, d: 2 * c.n_layers * c.n_kv_heads * c.head_dim * 4, "depend on the dtype"),
+        (lambda c, d: 2 * c.n_layers * c.hidden_size * torch.empty((), dtype=d).element_size(), "*query* heads"),
     ],
-    ids=["query-heads", "no-factor-2", "always-4-bytes"],
+    ids=["query-heads", "no-factor-2", "always-4-bytes", "hidden-size"],
 )
 def test_bytes_per_token(capsys, wrong, says):
     assert nb07.check_kv_bytes_per_token(_bytes) is True
@@ -204,8 +241,9 @@ def test_crossover_is_11_7k_tokens_for_smollm2_at_batch_1():
         (lambda c, b: _crossover(c, 1), "the batch is missing"),
         (lambda c, b: _crossover(c, b) * c.n_kv_heads / c.n_heads, "query heads"),
         (lambda c, b: int(_crossover(c, b)), "keep the fraction"),
+        (lambda c, b: _crossover(c, b) * 2, "different number formats"),
     ],
-    ids=["times-batch", "no-batch", "query-heads", "rounded"],
+    ids=["times-batch", "no-batch", "query-heads", "rounded", "mixed-formats"],
 )
 def test_crossover(capsys, wrong, says):
     assert nb07.check_decode_crossover(_crossover) is True
@@ -224,10 +262,23 @@ def _fits(config, gpu_bytes, context, dtype):
         (lambda c, g, n, d: g // memory_budget(c, 1, n, d).kv_cache, "the weights are missing"),
         (lambda c, g, n, d: (g - memory_budget(c, 1, n, d).weights) // memory_budget(c, 1, n, d).kv_cache, "return 0"),
         (lambda c, g, n, d: float(_fits(c, g, n, d)), "expected an int, got a float"),
+        (lambda c, g, n, d: g // memory_budget(c, 1, n, d).total, "weights once per sequence"),
     ],
-    ids=["no-weights", "negative", "float"],
+    ids=["no-weights", "negative", "float", "weights-per-sequence"],
 )
 def test_max_batch(capsys, wrong, says):
     assert nb07.check_max_batch(_fits) is True
     assert nb07.check_max_batch(wrong) is False
     assert says in capsys.readouterr().out
+
+
+def test_max_batch_by_trying_each_batch_passes():
+    """A loop that grows the batch until the budget no longer fits is right too (just slower)."""
+
+    def by_trying(config, gpu_bytes, context, dtype):
+        batch = 0
+        while memory_budget(config, batch + 1, context, dtype).total <= gpu_bytes:
+            batch += 1
+        return batch
+
+    assert nb07.check_max_batch(by_trying) is True

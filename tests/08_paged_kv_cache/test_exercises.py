@@ -191,6 +191,42 @@ class QueueNotStack(RightManager):
         return block
 
 
+class FreedBlocksGoUnderTheOthers(RightManager):
+    def free_block(self, block):
+        if self.ref_counts[block] == 0:
+            raise ValueError("double free")
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            self.free_list.insert(0, block)  # comes out last, not next
+
+
+class ForkSkipsThePartialBlock(RightManager):
+    """Does not count the child's hold on the last block ("it will be copied anyway")."""
+
+    def fork(self, parent, child):
+        for block in self.tables[parent][:-1]:
+            self.ref_counts[block] += 1
+        self.tables[child] = list(self.tables[parent])
+        self.lengths[child] = self.lengths[parent]
+
+
+class CopyTheWrongWay(RightManager):
+    def append_slot(self, seq):
+        block, offset, copy = super().append_slot(seq)
+        return block, offset, copy[::-1] if copy else None
+
+
+class DoubleFreeByMembership(RightManager):
+    """Refuses a double free by looking the block up in the free list: slower, and right."""
+
+    def free_block(self, block):
+        if block in self.free_list:
+            raise ValueError("double free")
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            self.free_list.append(block)
+
+
 def test_right_manager_passes(capsys):
     assert nb08.check_block_manager(RightManager) is True
     assert "✅ block_manager: all 7 checks pass" in capsys.readouterr().out
@@ -211,14 +247,26 @@ def test_right_manager_passes(capsys):
         (QueueNotStack, "the free list is a stack"),
         (CopiesFullSharedBlocks, "a full shared block was copied: nobody writes into a full block"),
         (ChecksSharedBeforeFull, "check for a full block (position % block_size == 0: a new block) *before*"),
+        (FreedBlocksGoUnderTheOthers, "the free list is a stack"),
     ],
     ids=["fork-no-refcount", "free-shared-block", "no-copy-on-write", "double-free", "double-free-pushes",
          "empty-pop", "fork-aliases-table", "cow-keeps-old-ref", "cow-frees-first", "fifo",
-         "cow-copies-full-block", "cow-shared-before-full"],
+         "cow-copies-full-block", "cow-shared-before-full", "freed-to-the-bottom"],
 )
 def test_manager_mistakes_are_named(capsys, wrong, says):
     assert nb08.check_block_manager(wrong) is False
     assert says in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("wrong", [ForkSkipsThePartialBlock, CopyTheWrongWay], ids=["fork-skips-last", "copy-reversed"])
+def test_other_wrong_managers_fail(capsys, wrong):
+    """Wrong in ways no named mistake describes: the check still fails them, and shows the operation."""
+    assert nb08.check_block_manager(wrong) is False
+    assert "❌ block_manager" in capsys.readouterr().out
+
+
+def test_double_free_by_membership_passes():
+    assert nb08.check_block_manager(DoubleFreeByMembership) is True
 
 
 def test_the_failing_operation_is_shown(capsys):
@@ -258,8 +306,9 @@ def test_a_full_shared_block_is_not_copied(capsys, wrong):
         (lambda p, t, bs: (p // bs, p % bs), "*index* into the block table"),
         (lambda p, t, bs: (p % bs, t[p // bs]), "wrong way round"),
         (lambda p, t, bs: (t[p // bs], p), "position % block_size"),
+        (lambda p, t, bs: (t[p // bs], p % bs) if p < bs else (t[-1], p % bs), "the sequence's last block"),
     ],
-    ids=["index-not-id", "swapped", "position-as-offset"],
+    ids=["index-not-id", "swapped", "position-as-offset", "last-block"],
 )
 def test_slot_of(capsys, wrong, says):
     assert nb08.check_slot_of(lambda p, t, bs: (t[p // bs], p % bs)) is True
@@ -273,10 +322,16 @@ def test_slot_of(capsys, wrong, says):
         (lambda n, bs: n // bs, "rounded down"),
         (lambda n, bs: n // bs + 1, "one too many"),
         (lambda n, bs: n / bs, "whole number"),
+        (lambda n, bs: max(1, -(-n // bs)), "0 tokens -> 0 blocks"),
     ],
-    ids=["floor", "floor-plus-one", "float"],
+    ids=["floor", "floor-plus-one", "float", "at-least-one"],
 )
 def test_blocks_needed(capsys, wrong, says):
     assert nb08.check_blocks_needed(lambda n, bs: -(-n // bs)) is True
     assert nb08.check_blocks_needed(wrong) is False
     assert says in capsys.readouterr().out
+
+
+def test_other_right_addressing_passes():
+    assert nb08.check_slot_of(lambda p, t, bs: (t[divmod(p, bs)[0]], divmod(p, bs)[1])) is True
+    assert nb08.check_blocks_needed(lambda n, bs: (n + bs - 1) // bs) is True
