@@ -6,7 +6,11 @@ that writes llama.cpp's bytes.
 The expected answers come from the package (``minillm.model.quant``: its quantizers are bit-exact
 with ``gguf.quants``, itself bit-exact with llama.cpp) and, for the product, from
 ``F.linear(x, dequantize(...))``. Each classic mistake is written out as the function a learner
-would write, so a wrong answer of that kind is named.
+would write (``nb11_mistakes``), so a wrong answer of that kind is named.
+
+The reference solutions are ``*_solution`` functions here, one per exercise: the notebook never
+shows them in a cell that could overwrite the learner's function. Read one with
+``print(inspect.getsource(nb11.unpack_nibbles_solution))``.
 """
 
 from __future__ import annotations
@@ -17,7 +21,27 @@ import torch
 import torch.nn.functional as F
 
 from minillm.exercises import Mistake, check, forbid_calls, forbid_copies
-from minillm.model.quant import pack_nibbles, dequantize, quantize, unpack_nibbles
+from minillm.exercises.nb11_mistakes import (
+    matvec_blocks_transposed,
+    matvec_first_scale,
+    matvec_float16,
+    matvec_int8_overflow,
+    matvec_int32,
+    matvec_mean_scale,
+    matvec_no_scale,
+    offset_with,
+    pack_adjacent,
+    pack_shift_8,
+    pack_swapped,
+    pack_unshifted,
+    q4_1_with,
+    unpack_adjacent,
+    unpack_first_axis,
+    unpack_signed,
+    unpack_swapped,
+    unpack_unmasked,
+)
+from minillm.model.quant import dequantize, pack_nibbles, quantize, unpack_nibbles
 
 # --- exercise 1 (the core): unpack nibbles ---------------------------------------------------------
 
@@ -32,38 +56,17 @@ def _unpack_cases() -> list[tuple[tuple[torch.Tensor], torch.Tensor]]:
     return [((qs,), unpack_nibbles(qs)) for qs in inputs]
 
 
-def _unpack_adjacent(qs: torch.Tensor) -> torch.Tensor:
-    return torch.stack([qs & 15, qs >> 4], dim=-1).reshape(*qs.shape[:-1], 32)
-
-
-def _unpack_swapped(qs: torch.Tensor) -> torch.Tensor:
-    return torch.cat([qs >> 4, qs & 15], dim=-1)
-
-
-def _unpack_unmasked(qs: torch.Tensor) -> torch.Tensor:
-    return torch.cat([qs, qs >> 4], dim=-1)
-
-
-def _unpack_signed(qs: torch.Tensor) -> torch.Tensor:
-    signed = qs.view(torch.int8)
-    return torch.cat([signed & 15, signed >> 4], dim=-1)
-
-
-def _unpack_first_axis(qs: torch.Tensor) -> torch.Tensor:
-    return torch.cat([qs & 15, qs >> 4], dim=0).reshape(*qs.shape[:-1], 32)
-
-
 UNPACK_MISTAKES = [
-    Mistake(_unpack_adjacent, "you unpacked adjacent pairs (byte j -> weights 2j, 2j+1): in ggml, byte j holds "
+    Mistake(unpack_adjacent, "you unpacked adjacent pairs (byte j -> weights 2j, 2j+1): in ggml, byte j holds "
                               "weight j in its low nibble and weight j + 16 in its high nibble, so the 16 low "
                               "nibbles come first, then the 16 high ones."),
-    Mistake(_unpack_swapped, "high and low nibbles are swapped: the *low* nibble (byte & 15) is weight j, the high "
+    Mistake(unpack_swapped, "high and low nibbles are swapped: the *low* nibble (byte & 15) is weight j, the high "
                              "nibble (byte >> 4) is weight j + 16."),
-    Mistake(_unpack_unmasked, "the mask is missing: `byte` alone keeps the high nibble too (0x8A is 138, not 10); the "
+    Mistake(unpack_unmasked, "the mask is missing: `byte` alone keeps the high nibble too (0x8A is 138, not 10); the "
                               "low nibble is `byte & 15`."),
-    Mistake(_unpack_signed, "the bytes were read as int8: shifting a signed byte right copies its sign bit (0xF0 >> 4 "
+    Mistake(unpack_signed, "the bytes were read as int8: shifting a signed byte right copies its sign bit (0xF0 >> 4 "
                             "is -1, not 15). Shift the uint8 bytes as they are."),
-    Mistake(_unpack_first_axis, "the low and high nibbles were concatenated along the first axis: each block's 16 "
+    Mistake(unpack_first_axis, "the low and high nibbles were concatenated along the first axis: each block's 16 "
                                 "bytes are the *last* axis, so concatenate with dim=-1."),
 ]
 
@@ -92,30 +95,14 @@ def _pack_cases() -> list[tuple[tuple[torch.Tensor], torch.Tensor]]:
     return [((q,), pack_nibbles(q)) for q in inputs]
 
 
-def _pack_adjacent(q: torch.Tensor) -> torch.Tensor:
-    return q[..., 0::2] | (q[..., 1::2] << 4)
-
-
-def _pack_swapped(q: torch.Tensor) -> torch.Tensor:
-    return q[..., 16:] | (q[..., :16] << 4)
-
-
-def _pack_unshifted(q: torch.Tensor) -> torch.Tensor:
-    return q[..., :16] | q[..., 16:]
-
-
-def _pack_shift_8(q: torch.Tensor) -> torch.Tensor:
-    return q[..., :16] | (q[..., 16:] << 8)  # a uint8 shifted by 8 is 0: the high nibbles vanish
-
-
 PACK_MISTAKES = [
-    Mistake(_pack_adjacent, "you packed adjacent pairs (weights 2j, 2j+1 into byte j): in ggml, byte j holds weight j "
+    Mistake(pack_adjacent, "you packed adjacent pairs (weights 2j, 2j+1 into byte j): in ggml, byte j holds weight j "
                             "(low nibble) and weight j + 16 (high nibble)."),
-    Mistake(_pack_swapped, "high and low nibbles are swapped: weight j goes in the *low* nibble, weight j + 16 in the "
+    Mistake(pack_swapped, "high and low nibbles are swapped: weight j goes in the *low* nibble, weight j + 16 in the "
                            "high nibble (shifted left by 4)."),
-    Mistake(_pack_unshifted, "weight j + 16 was OR-ed in without a shift, on top of weight j: move it into the high "
+    Mistake(pack_unshifted, "weight j + 16 was OR-ed in without a shift, on top of weight j: move it into the high "
                              "nibble with `<< 4`."),
-    Mistake(_pack_shift_8, "the high nibbles are gone: a nibble is 4 bits, so shift by 4; a uint8 shifted left by 8 "
+    Mistake(pack_shift_8, "the high nibbles are gone: a nibble is 4 bits, so shift by 4; a uint8 shifted left by 8 "
                            "is 0."),
 ]
 
@@ -149,64 +136,21 @@ def _matvec_cases() -> list[tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor
     return cases
 
 
-def _blocks_of(x: torch.Tensor) -> torch.Tensor:
-    return x.reshape(-1, 32)  # [blocks, 32]
-
-
-def _matvec_no_scale(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    return (qs.float() * _blocks_of(x)).sum((-1, -2))
-
-
-def _matvec_first_scale(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    return (qs.float() * _blocks_of(x)).sum((-1, -2)) * d[:, 0].float()
-
-
-def _matvec_mean_scale(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    return (qs.float() * _blocks_of(x)).sum((-1, -2)) * d.float().mean(-1)
-
-
-def _matvec_blocks_transposed(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    return ((qs.float() * x.reshape(32, -1).T).sum(-1) * d.float()).sum(-1)
-
-
-def _matvec_float16(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    w = (qs * d[..., None]).float()  # int8 × float16 is float16: each weight rounded to 11 bits
-    return (w * _blocks_of(x)).sum((-1, -2))
-
-
-def _quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x as llama.cpp feeds it to its integer dot products: Q8_0 blocks (int8 codes, float32 scales)."""
-    blocks = quantize(x[None], "q8_0")
-    return blocks["qs"][0], blocks["d"][0].float()
-
-
-def _matvec_int8_overflow(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    xq, dx = _quantize_x(x)
-    products = qs * xq  # int8 × int8 stays int8 in torch: wraps past 127
-    return (products.sum(-1).float() * d.float() * dx).sum(-1)
-
-
-def _matvec_int32(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    xq, dx = _quantize_x(x)
-    products = qs.int() * xq.int()
-    return (products.sum(-1).float() * d.float() * dx).sum(-1)
-
-
 MATVEC_MISTAKES = [
-    Mistake(_matvec_no_scale, "the scales are missing: the weights are d · q, so each block's sum Σ q·x must be "
+    Mistake(matvec_no_scale, "the scales are missing: the weights are d · q, so each block's sum Σ q·x must be "
                               "multiplied by that block's d."),
-    Mistake(_matvec_first_scale, "one scale per row: every block of 32 weights has its *own* d (d is [out, blocks]); "
+    Mistake(matvec_first_scale, "one scale per row: every block of 32 weights has its *own* d (d is [out, blocks]); "
                                  "multiply each block's Σ q·x by its d, then add up the blocks."),
-    Mistake(_matvec_mean_scale, "one scale per row: every block of 32 weights has its *own* d (d is [out, blocks]); "
+    Mistake(matvec_mean_scale, "one scale per row: every block of 32 weights has its *own* d (d is [out, blocks]); "
                                 "multiply each block's Σ q·x by its d, then add up the blocks."),
-    Mistake(_matvec_blocks_transposed, "x was cut into blocks the wrong way: block b holds x[32b : 32b + 32], i.e. "
+    Mistake(matvec_blocks_transposed, "x was cut into blocks the wrong way: block b holds x[32b : 32b + 32], i.e. "
                                        "x.reshape(-1, 32), not x.reshape(32, -1).T."),
-    Mistake(_matvec_float16, "the products were rounded to float16: in torch, int8 × float16 is float16 (11 "
+    Mistake(matvec_float16, "the products were rounded to float16: in torch, int8 × float16 is float16 (11 "
                              "significant bits). Convert first: qs.float() * d.float()."),
-    Mistake(_matvec_int8_overflow, "the int8 × int8 products overflowed: torch keeps int8 × int8 in int8, which wraps "
+    Mistake(matvec_int8_overflow, "the int8 × int8 products overflowed: torch keeps int8 × int8 in int8, which wraps "
                                    "past 127 (100 · 100 = 10000 becomes 16). llama.cpp widens to int32; and here x "
                                    "should stay float: multiply the int8 weights by the float32 x."),
-    Mistake(_matvec_int32, "you quantized x to 8 bits too, as llama.cpp does for its integer dot products: that "
+    Mistake(matvec_int32, "you quantized x to 8 bits too, as llama.cpp does for its integer dot products: that "
                            "product is off by x's rounding error, more than this check allows. Multiply the int8 "
                            "weights by the float32 x."),
 ]
@@ -249,34 +193,16 @@ def _offset_cases() -> list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
     return cases
 
 
-def _offset_with(codes: Callable[[torch.Tensor], torch.Tensor] = unpack_nibbles, offset: str = "block",
-                 ) -> Callable[..., torch.Tensor]:
-    """An offset product that differs from the right one in one place (the wrong variants)."""
-
-    def q4_1_offset_matvec(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-        xb = _blocks_of(x)
-        y = (d.float() * (codes(qs).float() * xb).sum(-1)).sum(-1)
-        if offset == "block":
-            return y + (m.float() * xb.sum(-1)).sum(-1)
-        if offset == "row":
-            return y + (m.float() * x.sum()).sum(-1)
-        if offset == "scaled":
-            return y + (d.float() * m.float() * xb.sum(-1)).sum(-1)
-        return y
-
-    return q4_1_offset_matvec
-
-
 OFFSET_MISTAKES = [
-    Mistake(_offset_with(offset="none"), "the offset is missing: w = d·q + m, so each block adds m_b · Σ_j x_j to "
+    Mistake(offset_with(offset="none"), "the offset is missing: w = d·q + m, so each block adds m_b · Σ_j x_j to "
                                          "d_b · Σ_j q_j x_j."),
-    Mistake(_offset_with(offset="row"), "each minimum met the sum of the whole x: m_b belongs to the 32 weights of "
+    Mistake(offset_with(offset="row"), "each minimum met the sum of the whole x: m_b belongs to the 32 weights of "
                                         "block b only, so it multiplies Σ x over that block, x.reshape(-1, 32).sum(-1)."),
-    Mistake(_offset_with(offset="scaled"), "the offset was multiplied by d too: in w = d·q + m the minimum m stands "
+    Mistake(offset_with(offset="scaled"), "the offset was multiplied by d too: in w = d·q + m the minimum m stands "
                                            "alone, so the offset is m_b · Σ_j x_j, not d_b · m_b · Σ_j x_j."),
-    Mistake(_offset_with(codes=_unpack_swapped), "high and low nibbles are swapped: the *low* nibble (byte & 15) is "
+    Mistake(offset_with(codes=unpack_swapped), "high and low nibbles are swapped: the *low* nibble (byte & 15) is "
                                                  "weight j, the high nibble (byte >> 4) weight j + 16."),
-    Mistake(_offset_with(codes=_unpack_adjacent), "you unpacked adjacent pairs (byte j -> weights 2j, 2j+1): byte j "
+    Mistake(offset_with(codes=unpack_adjacent), "you unpacked adjacent pairs (byte j -> weights 2j, 2j+1): byte j "
                                                   "holds weight j (low nibble) and weight j + 16 (high nibble)."),
 ]
 
@@ -327,41 +253,17 @@ def _q4_1_cases() -> list[tuple[tuple[torch.Tensor], tuple[torch.Tensor, ...]]]:
     return cases
 
 
-def _trunc_half_up(v: torch.Tensor) -> torch.Tensor:
-    return torch.trunc(v + 0.5)  # ggml's Q4 rounding (v >= 0 here)
-
-
-def _q4_1_with(rounding: Callable[[torch.Tensor], torch.Tensor] = _trunc_half_up, levels: float = 15.0,
-               from_stored: bool = False, pack: Callable[[torch.Tensor], torch.Tensor] = pack_nibbles,
-               scale_dtype: torch.dtype = torch.float16) -> Callable[[torch.Tensor], tuple[torch.Tensor, ...]]:
-    """A Q4_1 quantizer that differs from llama.cpp's in one place (the wrong variants)."""
-
-    def quantize_q4_1(w: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        blocks = w.reshape(w.shape[0], -1, 32)
-        low = blocks.amin(-1, keepdim=True)
-        d = (blocks.amax(-1, keepdim=True) - low) / levels
-        if from_stored:
-            d, low_used = d.half().float(), low.half().float()
-        else:
-            low_used = low
-        inv = torch.where(d == 0, torch.zeros_like(d), 1 / torch.where(d == 0, torch.ones_like(d), d))
-        q = rounding((blocks - low_used) * inv).clamp(0, 15).to(torch.uint8)
-        return pack(q), d[..., 0].to(scale_dtype), low[..., 0].to(scale_dtype)
-
-    return quantize_q4_1
-
-
 Q4_1_MISTAKES = [
-    Mistake(_q4_1_with(rounding=torch.round), "torch.round rounds halves to *even* (2.5 -> 2): ggml rounds Q4 codes "
+    Mistake(q4_1_with(rounding=torch.round), "torch.round rounds halves to *even* (2.5 -> 2): ggml rounds Q4 codes "
                                               "with trunc(v + 0.5), which sends every half up (2.5 -> 3)."),
-    Mistake(_q4_1_with(levels=16.0), "d = (max − min) / 15: 4 bits give 16 levels, 0..15, so 15 steps between the "
+    Mistake(q4_1_with(levels=16.0), "d = (max − min) / 15: 4 bits give 16 levels, 0..15, so 15 steps between the "
                                      "minimum and the maximum."),
-    Mistake(_q4_1_with(from_stored=True), "the codes were computed with the float16-rounded d and m: llama.cpp "
+    Mistake(q4_1_with(from_stored=True), "the codes were computed with the float16-rounded d and m: llama.cpp "
                                           "computes them with the float32 d and min, and only *stores* d and m as "
                                           "float16."),
-    Mistake(_q4_1_with(pack=_pack_adjacent), "the nibbles are packed as adjacent pairs: byte j holds code j (low "
+    Mistake(q4_1_with(pack=pack_adjacent), "the nibbles are packed as adjacent pairs: byte j holds code j (low "
                                              "nibble) and code j + 16 (high nibble)."),
-    Mistake(_q4_1_with(scale_dtype=torch.float32), "d and m are stored as float16 (2 bytes each: 20 bytes per block), "
+    Mistake(q4_1_with(scale_dtype=torch.float32), "d and m are stored as float16 (2 bytes each: 20 bytes per block), "
                                                    "not float32."),
 ]
 
@@ -379,3 +281,39 @@ def check_quantize_q4_1(fn: Callable[[torch.Tensor], tuple[torch.Tensor, ...]], 
     """``fn(w float32 [rows, 32·k])`` -> ``(qs uint8 [rows, k, 16], d float16 [rows, k], m float16 [rows, k])``,
     the bytes llama.cpp writes (the package's ``quantize(w, "q4_1")``, bit-exact with ``gguf.quants``)."""
     return check("quantize_q4_1", fn, _q4_1_cases(), hint=hint, hints=Q4_1_HINTS, mistakes=Q4_1_MISTAKES, atol=0.0)
+
+
+# --- the reference solutions -------------------------------------------------------------------------
+
+
+def unpack_nibbles_solution(qs: torch.Tensor) -> torch.Tensor:
+    # low nibbles are weights 0..15, high nibbles weights 16..31
+    return torch.cat([qs & 15, qs >> 4], dim=-1)
+
+
+def pack_nibbles_solution(q: torch.Tensor) -> torch.Tensor:
+    # weight j in the low nibble, weight j + 16 in the high nibble
+    return q[..., :16] | (q[..., 16:] << 4)
+
+
+def q8_0_matvec_solution(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    xb = x.reshape(-1, 32)  # [blocks, 32]: block b is x[32b : 32b + 32]
+    per_block = (qs.float() * xb).sum(-1)  # [out, blocks]: Σ_j q·x, in float32
+    return (per_block * d.float()).sum(-1)  # each block's own scale, then the sum over blocks
+
+
+def q4_1_offset_matvec_solution(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    xb = x.reshape(-1, 32)  # [blocks, 32]
+    q = unpack_nibbles_solution(qs).float()  # [out, blocks, 32]: codes 0..15 in the weights' order
+    per_block = d.float() * (q * xb).sum(-1)  # d_b · Σ_j q·x
+    offset = m.float() * xb.sum(-1)  # m_b · Σ_j x: the block sums of x are the same for every row
+    return (per_block + offset).sum(-1)
+
+
+def quantize_q4_1_solution(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    blocks = w.reshape(w.shape[0], -1, 32)
+    low = blocks.amin(-1, keepdim=True)
+    d = (blocks.amax(-1, keepdim=True) - low) / 15  # float32; stored as float16 below
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    q = torch.trunc((blocks - low) * inv + 0.5).clamp(0, 15).to(torch.uint8)  # ggml: every half rounds up
+    return pack_nibbles_solution(q), d[..., 0].half(), low[..., 0].half()
