@@ -10,7 +10,7 @@ import torch
 
 matplotlib.use("Agg")
 
-from minillm.plots import nb03 as plots  # noqa: E402
+from minillm.plots import nb03 as plots
 
 
 def test_sliders_store_the_first_figure_with_the_widget(monkeypatch):
