@@ -1,6 +1,9 @@
 """Exercises of notebook 03 (attention): the causal + padding mask, GQA without copies, a
 sliding-window mask and the entropy of attention weights.
 
+The reference answers are here too, as ``<name>_solution`` (the notebook's solutions section runs
+them through the same checks; ``nb03.gqa_attention_solution??`` shows one's code).
+
 The mask and GQA answers come from the package (``minillm.model.attention``); the window and
 the entropy, which the package does not have, from their definitions. Each classic mistake is
 written out as the function a learner would write, so a wrong answer of that kind is named.
@@ -55,6 +58,12 @@ def _padding_on_queries(am: torch.Tensor, q_len: int, k_len: int) -> torch.Tenso
     return causal & am[:, None, -q_len:, None].bool()
 
 
+def _nan_rows_see_themselves(am: torch.Tensor, q_len: int, k_len: int) -> torch.Tensor:
+    q_pos = torch.arange(k_len - q_len, k_len)[:, None]
+    mask = (torch.arange(k_len)[None, :] <= q_pos)[None, None] & am[:, None, None, :].bool()
+    return mask | (torch.arange(k_len)[None, :] == q_pos)
+
+
 MASK_MISTAKES = [
     Mistake(_diagonal_hidden, "your mask hides the diagonal (k < q instead of k <= q): a token must see itself."),
     Mistake(
@@ -69,6 +78,11 @@ MASK_MISTAKES = [
         "everything (its output is ignored) — `mask | ~mask.any(-1, keepdim=True)`.",
     ),
     Mistake(_padding_on_queries, "you masked the padded *queries* (rows); padding hides *keys* (columns)."),
+    Mistake(
+        _nan_rows_see_themselves,
+        "a row that would see nothing now sees only its own key: no NaN, but not `build_mask`'s rule, which lets "
+        "such a row see *every* key (section 5) — `mask | ~mask.any(-1, keepdim=True)`.",
+    ),
 ]
 
 MASK_HINTS = [
@@ -78,6 +92,14 @@ MASK_HINTS = [
     "mask = causal[None, None] & attention_mask[:, None, None, :].bool(); then "
     "mask | ~mask.any(dim=-1, keepdim=True) so no row is all False.",
 ]
+
+
+def padding_causal_mask_solution(attention_mask: torch.Tensor, q_len: int, k_len: int) -> torch.Tensor:
+    """The reference answer: causal over the last ``q_len`` of ``k_len`` positions, pad keys hidden."""
+    q_pos = torch.arange(k_len - q_len, k_len)[:, None]  # the queries are the last q_len positions
+    k_pos = torch.arange(k_len)[None, :]
+    mask = (k_pos <= q_pos)[None, None] & attention_mask[:, None, None, :].bool()  # causal, pad keys hidden
+    return mask | ~mask.any(dim=-1, keepdim=True)  # a row that sees nothing sees everything: no NaN
 
 
 def check_padding_causal_mask(fn: MaskFn, hint: int = 0) -> bool:
@@ -127,6 +149,17 @@ def _gqa_softmax_over_queries(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-2).nan_to_num() @ repeat_kv(v, groups)
 
 
+def _gqa_masked_to_zero(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    groups = q.shape[1] // k.shape[1]
+    scores = q @ repeat_kv(k, groups).transpose(-2, -1) / q.shape[-1] ** 0.5
+    return torch.softmax(scores.masked_fill(~mask, 0.0), dim=-1) @ repeat_kv(v, groups)
+
+
+def _gqa_divided_by_d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    groups = q.shape[1] // k.shape[1]
+    return attention_explicit(q / q.shape[-1] ** 0.5, repeat_kv(k, groups), repeat_kv(v, groups), mask)
+
+
 GQA_MISTAKES = [
     Mistake(
         _gqa_tiled,
@@ -134,6 +167,12 @@ GQA_MISTAKES = [
         "0,1,2,0,1,2 — and copies K and V. Group the query heads instead.",
     ),
     Mistake(_gqa_unscaled, "the scores are not divided by sqrt(head_dim)."),
+    Mistake(_gqa_divided_by_d, "the scores are divided by head_dim; the scale is 1 / sqrt(head_dim) (section 3)."),
+    Mistake(
+        _gqa_masked_to_zero,
+        "masked scores set to 0 still get weight exp(0) = 1 before normalizing; set them to -inf "
+        "(masked_fill(~mask, float('-inf'))) so their weight is exactly 0.",
+    ),
     Mistake(_gqa_unmasked, "the mask is not applied: every query sees the future."),
     Mistake(_gqa_softmax_over_queries, "the softmax runs over the queries (dim=-2); each query's weights over the keys (dim=-1) must sum to 1."),
 ]
@@ -169,6 +208,18 @@ NO_KV_COPIES = forbid_copies(
     "too (torch.matmul expands the broadcast operand, then reshapes it into one batch); fold the group "
     "into the query rows instead: q.reshape(batch, n_kv_heads, groups * q_len, head_dim).",
 )
+
+
+def gqa_attention_solution(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The reference answer: each group's queries folded into the rows over its one KV head."""
+    batch, n_heads, q_len, head_dim = q.shape
+    n_kv_heads, k_len = k.shape[1], k.shape[2]
+    groups = n_heads // n_kv_heads
+    rows = q.reshape(batch, n_kv_heads, groups * q_len, head_dim)  # each group's queries as rows over its KV head
+    scores = rows @ k.transpose(-2, -1) / math.sqrt(head_dim)  # batch dims [batch, n_kv_heads] on both sides
+    scores = scores.view(batch, n_kv_heads, groups, q_len, k_len).masked_fill(~mask[:, :, None], float("-inf"))
+    weights = torch.softmax(scores, dim=-1).view(batch, n_kv_heads, groups * q_len, k_len)
+    return (weights @ v).view(batch, n_heads, q_len, head_dim)
 
 
 def check_gqa_attention(fn: AttentionFn, hint: int = 0) -> bool:
@@ -225,6 +276,13 @@ WINDOW_HINTS = [
 ]
 
 
+def sliding_window_mask_solution(seq_len: int, window: int) -> torch.Tensor:
+    """The reference answer: causal (j <= i) and recent (j > i - window)."""
+    i = torch.arange(seq_len)[:, None]
+    j = torch.arange(seq_len)[None, :]
+    return (j <= i) & (j > i - window)
+
+
 def check_sliding_window_mask(fn: WindowFn, hint: int = 0) -> bool:
     """``fn(seq_len, window)`` -> bool ``[seq_len, seq_len]``: query i sees key j when i - window < j <= i."""
     return check("sliding_window_mask", fn, _window_cases(), hint=hint, hints=WINDOW_HINTS, mistakes=WINDOW_MISTAKES)
@@ -259,11 +317,16 @@ def _entropy_over_queries(weights: torch.Tensor) -> torch.Tensor:
     return -torch.special.xlogy(weights, weights).sum(-2)
 
 
+def _entropy_mean(weights: torch.Tensor) -> torch.Tensor:
+    return -torch.special.xlogy(weights, weights).mean(-1)
+
+
 ENTROPY_MISTAKES = [
     Mistake(_entropy_nan, "p * log(p) is 0 * -inf = NaN where a weight is exactly 0 (every masked key); 0 · log 0 counts as 0."),
     Mistake(_entropy_bits, "that is in bits (log base 2); the exercise asks for nats (natural log)."),
     Mistake(_entropy_no_minus, "the sign is flipped: log p <= 0, so the entropy is -Σ p log p >= 0."),
     Mistake(_entropy_over_queries, "you summed over the queries (dim -2); a row's entropy sums over its keys (dim -1)."),
+    Mistake(_entropy_mean, "you averaged over the keys (mean); the entropy is a sum, -Σ p log p (log n for n equal weights)."),
 ]
 
 ENTROPY_HINTS = [
@@ -271,6 +334,11 @@ ENTROPY_HINTS = [
     "Where p == 0, p * log(p) is NaN; pick 0 there (torch.where) or use torch.special.xlogy(p, p), which is 0 at p = 0.",
     "return -torch.special.xlogy(weights, weights).sum(dim=-1)",
 ]
+
+
+def attention_entropy_solution(weights: torch.Tensor) -> torch.Tensor:
+    """The reference answer: -Σ p log p over the keys, with 0 log 0 = 0."""
+    return -torch.special.xlogy(weights, weights).sum(dim=-1)  # xlogy(0, 0) = 0
 
 
 def check_attention_entropy(fn: EntropyFn, hint: int = 0) -> bool:
