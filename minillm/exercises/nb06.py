@@ -1,26 +1,144 @@
-"""Exercises of notebook 06 (real weights): the Q4_1 dequantizer (the core one), a Q8_0 quantizer
-that rounds the way llama.cpp does, and the Q/K un-permute.
+"""Exercises of notebook 06 (real weights): the next-token loss the real model is measured with, the
+Q4_1 dequantizer (the core one), and a Q8_0 quantizer that rounds the way llama.cpp does. (The Q/K
+un-permute is notebook 04's exercise.)
 
-The expected answers come from the ``gguf`` package (``gguf.quants``, bit-exact with llama.cpp's
-reference quantizers) and from the package (``minillm.model.gguf_weights.unpermute``); each classic
+The expected answers come from ``torch.nn.functional.cross_entropy`` in float64 and from the
+``gguf`` package (``gguf.quants``, bit-exact with llama.cpp's reference quantizers); each classic
 mistake is written out as the function a learner would write, so a wrong answer of that kind is
-named. The exercises work on torch tensors, so a wrong answer is described by shape, dtype and
-the largest difference.
+named. The reference solutions are the ``*_solution`` functions: the notebook's Solutions section
+runs them, and the notebook goes on with them while a learner's stub is unfinished.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import math
+
 import gguf
 import numpy as np
 import torch
+import torch.nn.functional as F
 
-from minillm.exercises import Mistake, check
-from minillm.model.gguf_weights import unpermute
+from minillm.exercises import Mistake, check, forbid_calls
 
 Q4_1 = gguf.GGMLQuantizationType.Q4_1
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
+
+# --- the exercise of section 8: the next-token loss, in nats ----------------------------------
+
+
+def next_token_nll_solution(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The mean negative log-likelihood, in nats, of each next token: position t's logits predict ids[:, t + 1].
+
+    ``logits`` [batch, seq, vocab], ``ids`` [batch, seq], ``mask`` [batch, seq] (1 = real token, 0 =
+    padding; None = all real). Only positions whose *target* is a real token count; the last position
+    has no target. exp() of the result is the perplexity.
+    """
+    logp = torch.log_softmax(logits.double(), dim=-1)[:, :-1]            # position t predicts token t + 1
+    nll = -logp.gather(-1, ids[:, 1:, None])[..., 0]                     # [batch, seq - 1], nats
+    keep = torch.ones_like(nll, dtype=torch.bool) if mask is None else mask[:, 1:].bool()
+    return nll[keep].mean()
+
+
+def _nll_cases() -> list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
+    """Random float64 logits and ids (one batch without padding, one right-padded to unequal lengths)
+    -> F.cross_entropy over the positions whose target is real."""
+    g = torch.Generator().manual_seed(6)
+    cases: list[tuple[tuple[torch.Tensor, ...], torch.Tensor]] = []
+    for batch, seq, vocab, lengths in [(2, 7, 11, None), (3, 6, 13, [6, 4, 2])]:
+        logits = 3 * torch.randn(batch, seq, vocab, generator=g, dtype=torch.float64)
+        ids = torch.randint(1, vocab, (batch, seq), generator=g)
+        targets = ids[:, 1:].clone()
+        args: tuple[torch.Tensor, ...] = (logits, ids)
+        if lengths is not None:
+            mask = (torch.arange(seq)[None] < torch.tensor(lengths)[:, None]).long()
+            ids.masked_fill_(mask == 0, 0)                                # the pad id: a real id, never a target
+            targets = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)      # cross_entropy's ignore_index
+            args = (logits, ids, mask)
+        want = F.cross_entropy(logits[:, :-1].reshape(-1, vocab), targets.reshape(-1), ignore_index=-100)
+        cases.append((args, want))  # a 0-dim float64 tensor
+    return cases
+
+
+def _nll_variant(shift: str = "next", log: Callable[[torch.Tensor], torch.Tensor] = torch.log, dim: int = -1,
+                 keep: str = "target", reduce: str = "tokens", sign: float = -1.0) -> Callable[..., torch.Tensor]:
+    """The loss, wrong in one place (the classic mistakes)."""
+
+    def nll(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        logp = log(torch.softmax(logits.double(), dim=dim))
+        real = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+        if shift == "next":
+            picked, live = logp[:, :-1].gather(-1, ids[:, 1:, None])[..., 0], real[:, 1:]
+        elif shift == "same":
+            picked, live = logp.gather(-1, ids[..., None])[..., 0], real
+        elif shift == "back":
+            picked, live = logp[:, 1:].gather(-1, ids[:, :-1, None])[..., 0], real[:, :-1]
+        else:  # "roll": torch.roll wraps the first token around as the last position's target
+            picked, live = logp.gather(-1, ids.roll(-1, dims=1)[..., None])[..., 0], real.roll(-1, dims=1)
+        if keep == "inputs":  # the mask of the position's own token, not of its target
+            live = real[:, :-1] if shift == "next" else live
+        elif keep == "all":
+            live = torch.ones_like(live)
+        per = sign * picked
+        if reduce == "sum":
+            return per[live].sum()
+        if reduce == "rows":  # mean per sequence, then over sequences
+            return torch.stack([row[ok].mean() for row, ok in zip(per, live)]).mean()
+        return per[live].mean()
+
+    return nll
+
+
+NLL_MISTAKES = [
+    Mistake(_nll_variant(shift="same"), "no shift: position t's logits were scored against token t itself. They "
+                                        "predict the *next* token: logits[:, :-1] against ids[:, 1:]."),
+    Mistake(_nll_variant(shift="back"), "shifted the wrong way: logits[:, 1:] against ids[:, :-1] scores each token "
+                                        "with the logits of the position *after* it. Use logits[:, :-1], ids[:, 1:]."),
+    Mistake(_nll_variant(shift="roll"), "the last position was scored too (torch.roll wraps the first token around as "
+                                        "its target): the last position has no next token; drop it."),
+    Mistake(_nll_variant(log=torch.log2), "that is log2, bits per token: the loss is in nats (natural log), as "
+                                          "F.cross_entropy and perplexity = exp(loss) expect."),
+    Mistake(_nll_variant(log=torch.log10), "that is log10: the loss is in nats (natural log)."),
+    Mistake(_nll_variant(dim=1), "the softmax ran over the sequence axis (dim=1): each position's distribution is "
+                                 "over the vocabulary, the last axis (dim=-1)."),
+    Mistake(_nll_variant(keep="all"), "the padded positions were counted: keep only the positions whose target is a "
+                                      "real token (mask[:, 1:] == 1)."),
+    Mistake(_nll_variant(keep="inputs"), "the mask was shifted the wrong way: mask[:, :-1] counts the last real token "
+                                         "predicting a pad; a position counts when its *target* is real, mask[:, 1:]."),
+    Mistake(_nll_variant(reduce="rows"), "the mean was taken per sequence first, then over the sequences: every "
+                                         "*token* weighs the same, so average over all kept positions at once."),
+    Mistake(_nll_variant(reduce="sum"), "that is the sum over the positions: the loss is the mean per token."),
+    Mistake(_nll_variant(sign=1.0), "the sign: that is the log-likelihood (negative); the loss is its negative."),
+]
+
+NLL_HINTS = [
+    "Position t's logits predict token t + 1: score logits[:, :-1] against ids[:, 1:]; one position's loss is "
+    "−log softmax(logits)[target], with the natural log (nats).",
+    "logp = torch.log_softmax(logits.double(), dim=-1)[:, :-1]; nll = -logp.gather(-1, ids[:, 1:, None])[..., 0] "
+    "([batch, seq − 1]); with a mask, keep the positions whose target is real: mask[:, 1:].",
+    "keep = torch.ones_like(nll, dtype=torch.bool) if mask is None else mask[:, 1:].bool(); return nll[keep].mean()",
+]
+
+NOT_CROSS_ENTROPY = forbid_calls({name: "write the log-softmax and the pick of the target yourself (the check "
+                                        "compares with F.cross_entropy)." for name in ("cross_entropy", "nll_loss")})
+
+
+def _same_loss(got: object, want: torch.Tensor) -> bool:
+    """One number (a 0-dim tensor or a float) equal to the float64 reference: to 1e-7 relative, or to
+    float32's rounding when the learner computed in float32 (every named mistake is off by far more)."""
+    tol = 1e-7
+    if isinstance(got, torch.Tensor) and got.dim() == 0 and got.is_floating_point():
+        tol = 1e-7 if got.dtype == torch.float64 else 1e-5
+        got = got.item()
+    return isinstance(got, float) and math.isclose(got, want.item(), rel_tol=tol)
+
+
+def check_next_token_nll(fn: Callable[..., torch.Tensor], hint: int = 0) -> bool:
+    """``fn(logits, ids, mask=None)`` -> the mean next-token NLL in nats, as F.cross_entropy in float64."""
+    return check("next_token_nll", fn, _nll_cases(), hint=hint, hints=NLL_HINTS, equal=_same_loss,
+                 mistakes=NLL_MISTAKES, rules=[NOT_CROSS_ENTROPY])
+
 
 # --- exercise 1 (the core): dequantize Q4_1 ------------------------------------------------------
 
@@ -106,6 +224,16 @@ Q4_1_HINTS = [
 ]
 
 
+def dequantize_q4_1_solution(raw: torch.Tensor) -> torch.Tensor:
+    """Whole Q4_1 tensors at once: [rows, 20·k] bytes -> [rows, 32·k] float32."""
+    blocks = raw.reshape(-1, 20)                                   # one row per block
+    d = blocks[:, 0:2].view(torch.float16).float()                 # [n_blocks, 1]: the scale
+    m = blocks[:, 2:4].view(torch.float16).float()                 # [n_blocks, 1]: the minimum
+    packed = blocks[:, 4:]                                         # 16 bytes, two 4-bit values each
+    q = torch.cat([packed & 0x0F, packed >> 4], dim=1).float()     # low nibbles: elements 0-15, high: 16-31
+    return (d * q + m).reshape(raw.shape[0], -1)
+
+
 def check_dequantize_q4_1(fn: Callable[[torch.Tensor], torch.Tensor], hint: int = 0) -> bool:
     """``fn(raw uint8 [rows, 20·k])`` -> float32 ``[rows, 32·k]``, bit for bit what ``gguf`` dequantizes."""
     return check("dequantize_q4_1", fn, _q4_1_cases(), hint=hint, hints=Q4_1_HINTS, mistakes=Q4_1_MISTAKES, atol=0.0)
@@ -181,55 +309,14 @@ Q8_0_HINTS = [
 ]
 
 
+def quantize_q8_0_solution(x: torch.Tensor) -> torch.Tensor:
+    """32 float32 weights -> the 34 bytes of their Q8_0 block, as llama.cpp writes them."""
+    d = x.abs().max() / 127                                        # float32
+    v = x * torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    q = _round_away(v)                                             # roundf: halves away from zero
+    return torch.cat([d.reshape(1).half().view(torch.uint8), q.to(torch.int8).view(torch.uint8)])
+
+
 def check_quantize_q8_0(fn: Callable[[torch.Tensor], torch.Tensor], hint: int = 0) -> bool:
     """``fn(x float32 [32])`` -> the 34 bytes (uint8) of its Q8_0 block, exactly as llama.cpp writes them."""
     return check("quantize_q8_0", fn, _q8_0_cases(), hint=hint, hints=Q8_0_HINTS, mistakes=Q8_0_MISTAKES)
-
-
-# --- exercise 3: the Q/K un-permute --------------------------------------------------------------
-
-
-def permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """What llama.cpp's converter does to W_q / W_k: in each head, rows i and i + head_dim/2 become neighbours."""
-    rows = w.shape[0]
-    return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _unpermute_cases() -> list[tuple[tuple[torch.Tensor, int], torch.Tensor]]:
-    g = torch.Generator().manual_seed(3)
-    originals = [(torch.arange(8)[:, None], 1), (torch.arange(24).reshape(12, 2), 3),
-                 (torch.randn(192, 16, generator=g), 3), (torch.randn(576, 8, generator=g), 9)]  # SmolLM2's k, q
-    return [((permute(w, heads), heads), unpermute(permute(w, heads), heads)) for w, heads in originals]
-
-
-def _unpermute_one_head(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    return unpermute(w, 1)
-
-
-def _permute_again(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    return permute(w, n_heads)
-
-
-def _no_swap(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    return w.reshape(n_heads, -1, 2, *w.shape[1:]).reshape(w.shape)
-
-
-UNPERMUTE_MISTAKES = [
-    Mistake(_unpermute_one_head, "the rows were un-permuted as one big head: the permutation acts *inside each head* "
-                                 "(reshape to n_heads first)."),
-    Mistake(_permute_again, "that applies the converter's permutation a second time; undo it: reshape to "
-                            "(n_heads, head_dim // 2, 2, ...) and swap axes 1 and 2."),
-    Mistake(_no_swap, "reshaping alone moves nothing: swap axes 1 and 2 before reshaping back."),
-]
-
-UNPERMUTE_HINTS = [
-    "Stored order inside a head of h rows: 0, h/2, 1, h/2 + 1, ...: the pairs (i, i + h/2) sit side by side.",
-    "w.reshape(n_heads, head_dim // 2, 2, cols): axis 2 says first half / second half, axis 1 says i.",
-    "return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)",
-]
-
-
-def check_unpermute_rows(fn: Callable[[torch.Tensor, int], torch.Tensor], hint: int = 0) -> bool:
-    """``fn(w [rows, cols] in GGUF order, n_heads)`` -> the rows in transformers' (rotate-half) order."""
-    return check("unpermute_rows", fn, _unpermute_cases(), hint=hint, hints=UNPERMUTE_HINTS,
-                 mistakes=UNPERMUTE_MISTAKES, atol=0.0)

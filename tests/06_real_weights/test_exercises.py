@@ -5,7 +5,93 @@ from __future__ import annotations
 import pytest
 import torch
 
+import torch.nn.functional as F
+
 from minillm.exercises import nb06
+
+
+# --- the next-token loss ---------------------------------------------------------------------------
+
+
+def _nll_right(logits, ids, mask=None):
+    logp = torch.log_softmax(logits, dim=-1)[:, :-1]
+    nll = -logp.gather(-1, ids[:, 1:, None])[..., 0]
+    keep = torch.ones_like(nll, dtype=torch.bool) if mask is None else mask[:, 1:].bool()
+    return nll[keep].mean()
+
+
+def test_nll_right_answer_passes(capsys):
+    assert nb06.check_next_token_nll(_nll_right) is True
+
+
+def test_nll_computed_in_float32_passes(capsys):
+    # the reference is float64; a float32 computation is right to float32's rounding
+    assert nb06.check_next_token_nll(lambda logits, ids, mask=None: _nll_right(logits.float(), ids, mask)) is True
+
+
+def test_nll_solution_is_cross_entropy_on_real_shapes():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 9, 50, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, 50, (2, 9), generator=g)
+    want = F.cross_entropy(logits[:, :-1].reshape(-1, 50), ids[:, 1:].reshape(-1))
+    assert torch.allclose(nb06.next_token_nll_solution(logits, ids), want, rtol=1e-12, atol=0)
+
+
+def test_nll_calling_cross_entropy_fails(capsys):
+    def via_cross_entropy(logits, ids, mask=None):
+        targets = ids[:, 1:] if mask is None else ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    assert nb06.check_next_token_nll(via_cross_entropy) is False
+    assert "it calls `cross_entropy`" in capsys.readouterr().out
+
+
+def _nll_same_token(logits, ids, mask=None):
+    return -torch.log_softmax(logits, -1).gather(-1, ids[..., None]).mean()
+
+
+def _nll_bits(logits, ids, mask=None):
+    return _nll_right(logits, ids, mask) / 0.6931471805599453
+
+
+def _nll_with_padding(logits, ids, mask=None):
+    return _nll_right(logits, ids)
+
+
+def _nll_rolled(logits, ids, mask=None):
+    logp = torch.log_softmax(logits, -1)
+    return -logp.gather(-1, ids.roll(-1, dims=1)[..., None]).mean()
+
+
+def _nll_softmax_over_seq(logits, ids, mask=None):
+    logp = torch.log_softmax(logits, dim=1)[:, :-1]  # over the positions, not the vocabulary
+    nll = -logp.gather(-1, ids[:, 1:, None])[..., 0]
+    keep = torch.ones_like(nll, dtype=torch.bool) if mask is None else mask[:, 1:].bool()
+    return nll[keep].mean()
+
+
+@pytest.mark.parametrize(
+    "wrong, says",
+    [
+        (_nll_same_token, "no shift"),
+        (_nll_bits, "that is log2"),
+        (_nll_with_padding, "the padded positions were counted"),
+        (_nll_rolled, "the last position was scored too"),
+        (_nll_softmax_over_seq, "the softmax ran over the sequence axis"),
+    ],
+    ids=["same-token", "log2", "padding", "last-position", "wrong-axis"],
+)
+def test_nll_mistakes_are_named(capsys, wrong, says):
+    assert nb06.check_next_token_nll(wrong) is False
+    assert says in capsys.readouterr().out
+
+
+def test_nll_unfinished_stub_is_reported(capsys):
+    def stub(logits, ids, mask=None):
+        raise NotImplementedError
+
+    assert nb06.check_next_token_nll(stub) is False
+    assert "not attempted yet" in capsys.readouterr().out
 
 
 # --- dequantize Q4_1 -------------------------------------------------------------------------------
@@ -89,6 +175,10 @@ def test_q4_1_mistakes_are_named(capsys, wrong, says):
     assert says in capsys.readouterr().out
 
 
+def test_q4_1_solution_passes(capsys):
+    assert nb06.check_dequantize_q4_1(nb06.dequantize_q4_1_solution) is True
+
+
 # --- quantize Q8_0 ---------------------------------------------------------------------------------
 
 
@@ -115,6 +205,7 @@ def _q8_0_rounding(rounding):
 
 def test_q8_0_right_answer_passes(capsys):
     assert nb06.check_quantize_q8_0(_q8_0_right) is True
+    assert nb06.check_quantize_q8_0(nb06.quantize_q8_0_solution) is True
 
 
 @pytest.mark.parametrize(
@@ -138,31 +229,14 @@ def test_the_tie_cases_are_real_ties():
     assert float(nb06.BELOW_HALF[1]) == 0.5 - 2**-25
 
 
-# --- un-permute ------------------------------------------------------------------------------------
-
-
-def _unpermute_right(w, n_heads):
-    rows = w.shape[0]
-    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def test_unpermute_right_answer_passes(capsys):
-    assert nb06.check_unpermute_rows(_unpermute_right) is True
-
-
-def test_unpermute_inverts_the_converter():
-    w = torch.arange(48).reshape(24, 2)
-    assert torch.equal(_unpermute_right(nb06.permute(w, 3), 3), w)
-
-
 @pytest.mark.parametrize(
     "check, mistakes",
     [
         (nb06.check_dequantize_q4_1, nb06.Q4_1_MISTAKES),
         (nb06.check_quantize_q8_0, nb06.Q8_0_MISTAKES),
-        (nb06.check_unpermute_rows, nb06.UNPERMUTE_MISTAKES),
+        (nb06.check_next_token_nll, nb06.NLL_MISTAKES),
     ],
-    ids=["dequantize_q4_1", "quantize_q8_0", "unpermute_rows"],
+    ids=["dequantize_q4_1", "quantize_q8_0", "next_token_nll"],
 )
 def test_every_listed_mistake_is_named_by_its_own_message(capsys, check, mistakes):
     for mistake in mistakes:
