@@ -1,10 +1,10 @@
 """Wrong answers to notebook 02's exercises, each the code a learner might write.
 
-The byte map, the missing bytes, the padded batch and the chat template have wrong functions;
-the streaming detokenizer has wrong classes: ``Lookback`` is the right mechanism (a byte buffer, released up to the last complete character);
-each other class changes one piece of it, or skips the buffer altogether. ``nb02.check_streamer``
-names the mistake when a learner's class streams exactly as one of these does, and
-``tests/02_real_tokenizers/test_exercises.py`` feeds every one of them to the check.
+The byte map, the missing bytes, the padded batch and the chat template have wrong functions.
+The streaming detokenizer has wrong classes: ``Lookback`` is the right mechanism (a byte buffer,
+released up to the last complete character) and each other class changes one piece of it, or
+skips the buffer altogether. ``nb02`` names a mistake when a learner's answer equals one of these
+on the failing case, and ``tests/02_real_tokenizers/test_exercises.py`` feeds every one to its check.
 """
 
 from __future__ import annotations
