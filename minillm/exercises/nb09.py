@@ -1,11 +1,12 @@
-"""Exercises of notebook 09 (sampling): top-p with its boundary token, the repetition penalty,
-cutting at a stop string, and one step of beam search.
+"""Exercises of notebook 09 (sampling): the four logits processors (temperature, top-k, top-p,
+min-p) and the repetition penalty here; the batched sampler, stop strings and a beam-search step
+in ``nb09_decoding`` (imported below, so the notebook finds every check as ``nb09.check_...``).
 
-The expected answers come from the package where it has the function (``minillm.sampling.TopP``,
-``minillm.sampling.RepetitionPenalty``, ``minillm.engine.StopStringFilter``); each classic
-mistake is written out as the function a learner would write, so a wrong answer of that kind
-is named. Beam search keeps its candidate step inside ``BeamSearch.advance``, so its cases are
-small enough to check by hand, plus one ranked by brute force over every (beam, token) pair.
+The expected answers come from the package's processors (``minillm.sampling``), on cases that
+hold the edges: ties at the cut, k larger than the vocabulary, top_p = 1, min_p = 0 and 1, -inf
+entries left by an earlier filter, batched rows that each need their own cut. Each classic
+mistake is written out in ``nb09_mistakes`` as the function a learner would write, so a wrong
+answer of that kind is named. The right answers are the ``*_solution`` functions.
 """
 
 from __future__ import annotations
@@ -16,14 +17,26 @@ from typing import Any
 
 import torch
 
-from minillm.engine import StopStringFilter
 from minillm.exercises import Mistake, check
-from minillm.sampling import RepetitionPenalty, TopP
+from minillm.exercises import nb09_mistakes as wrong
+from minillm.exercises.nb09_decoding import (BATCH_HINTS, BATCH_MISTAKES, BEAM_HINTS, BEAM_MISTAKES, STOP_HINTS,
+                                             STOP_MISTAKES, SeededGenerators, beam_candidates_solution,
+                                             check_beam_candidates, check_cut_at_stop, check_sample_batch,
+                                             cut_at_stop_solution, sample_batch_solution, same_candidates)
+from minillm.sampling import MinP, RepetitionPenalty, Temperature, TopK, TopP
 
-TopPFn = Callable[[torch.Tensor, float], torch.Tensor]
+FilterFn = Callable[[torch.Tensor, Any], torch.Tensor]
 PenaltyFn = Callable[[torch.Tensor, list[int], list[int], float], torch.Tensor]
-StopFn = Callable[[str, list[str]], tuple[str, bool]]
-BeamFn = Callable[[torch.Tensor, torch.Tensor, int], list[tuple[int, int, float]]]
+
+__all__ = [
+    "BATCH_HINTS", "BATCH_MISTAKES", "BEAM_HINTS", "BEAM_MISTAKES", "MIN_P_HINTS", "MIN_P_MISTAKES", "PENALTY_HINTS",
+    "PENALTY_MISTAKES", "STOP_HINTS", "STOP_MISTAKES", "TEMPERATURE_HINTS", "TEMPERATURE_MISTAKES", "TOP_K_HINTS",
+    "TOP_K_MISTAKES", "TOP_P_HINTS", "TOP_P_MISTAKES", "SeededGenerators", "beam_candidates_solution",
+    "check_beam_candidates", "check_cut_at_stop", "check_min_p", "check_repetition_penalty", "check_sample_batch",
+    "check_temperature", "check_top_k", "check_top_p", "cut_at_stop_solution", "min_p_filter_solution",
+    "repetition_penalty_solution", "same_candidates", "same_filter", "sample_batch_solution", "temperature_solution",
+    "top_k_filter_solution", "top_p_filter_solution",
+]
 
 _NEG_INF = -math.inf
 
@@ -43,27 +56,152 @@ def _unchanged_inputs(fn: Callable[..., Any], args: tuple[Any, ...]) -> str | No
     return None
 
 
-# --- top-p ---------------------------------------------------------------------------------------
-
-
 def _logits(*rows: list[float]) -> torch.Tensor:
     """Logits [rows, vocab] whose softmax is the given probabilities (0 -> -inf). The +2 is a
     reminder that logits are only defined up to a constant: softmax(z + c) = softmax(z)."""
     return torch.tensor(rows).log() + 2.0
 
 
+def _cases(package: Callable[[Any], Any], inputs: list[tuple[torch.Tensor, Any]]) -> list[tuple[tuple[Any, ...], Any]]:
+    """(scores, value) -> the package's processor built with ``value``, applied to ``scores``."""
+    return [((scores, value), package(value)(None, scores)) for scores, value in inputs]
+
+
+def _processor_check(name: str, fn: FilterFn, cases: list, hint: int, hints: list[str], mistakes: list[Mistake],
+                     equal: Callable[[Any, Any], bool] | None = None) -> bool:
+    """``check`` for a processor: the values are computed on copies of the cases' scores (a processor
+    that writes into its input must not spoil the case for the rule that then catches it)."""
+
+    def on_copies(*args: Any) -> Any:
+        return fn(*(a.clone() if isinstance(a, torch.Tensor) else a for a in args))
+
+    on_copies.__name__ = getattr(fn, "__name__", name)
+    return check(name, on_copies, cases, hint=hint, hints=hints, equal=equal, mistakes=mistakes,
+                 rules=[lambda _, args: _unchanged_inputs(fn, args)])
+
+
+# --- temperature ---------------------------------------------------------------------------------
+
+
+def _temperature_cases() -> list[tuple[tuple[torch.Tensor, float], torch.Tensor]]:
+    g = torch.Generator().manual_seed(9)
+    return _cases(Temperature, [
+        (_logits([0.5, 0.3, 0.2]), 0.5),  # sharper
+        (torch.randn(3, 100, generator=g) * 3, 0.7),  # a batch: every row divided by the same t
+        (torch.tensor([[1.0, -math.inf, 0.5, 2.0]]), 2.0),  # flatter; -inf (a removed token) stays -inf
+        (_logits([0.6, 0.4]), 1.0),  # t = 1 changes nothing
+        (torch.randn(1, 1000, generator=g) * 4, 1.5),
+    ])
+
+
+TEMPERATURE_MISTAKES = [
+    Mistake(wrong.temperature_multiplies, "you multiplied by t: temperature *divides* the logits (t < 1 sharpens, "
+            "so the gaps between logits must grow)."),
+    Mistake(wrong.temperature_after_softmax, "temperature applied after softmax: dividing probabilities by t "
+            "changes nothing once they are renormalised (log(p / t) is log p shifted by a constant). Divide the "
+            "logits, before any softmax."),
+    Mistake(wrong.temperature_probabilities, "return the new *scores* (logits), not probabilities: the filters "
+            "after it and the final softmax expect logits."),
+]
+
+TEMPERATURE_HINTS = [
+    "Temperature acts on the logits, before the softmax that turns them into probabilities.",
+    "softmax(z / t): t < 1 makes the gaps between logits larger (sharper), t > 1 smaller (flatter).",
+    "return scores / t",
+]
+
+
+def check_temperature(fn: FilterFn, hint: int = 0) -> bool:
+    """``fn(scores [batch, vocab], t)`` -> the scores divided by ``t``, as ``minillm.sampling.Temperature(t)``."""
+    return _processor_check("temperature", fn, _temperature_cases(), hint, TEMPERATURE_HINTS, TEMPERATURE_MISTAKES)
+
+
+def temperature_solution(scores: torch.Tensor, t: float) -> torch.Tensor:
+    return scores / t  # a new tensor; -inf / t stays -inf
+
+
+# --- top-k ---------------------------------------------------------------------------------------
+
+
+def _top_k_cases() -> list[tuple[tuple[torch.Tensor, int], torch.Tensor]]:
+    g = torch.Generator().manual_seed(9)
+    tied = torch.tensor([[3.0, 1.0, 2.0, 2.0, 0.0]])
+    return _cases(TopK, [
+        (tied, 1),
+        (tied, 2),  # the two 2.0s tie with the 2nd largest: both stay, 3 tokens
+        (torch.randn(3, 50, generator=g) * 2, 5),  # a batch: each row its own k-th largest
+        (torch.tensor([[1.0, -2.0, 0.5]]), 10),  # k larger than the vocabulary: keep everything
+        (torch.tensor([[-math.inf, 2.0, 1.0, -math.inf, 0.0]]), 4),  # -inf from an earlier filter stays -inf
+        (torch.randint(-3, 4, (2, 64), generator=g).float(), 10),  # many ties
+        (torch.randn(2, 1000, generator=g) * 2, 40),
+    ])
+
+
+TOP_K_MISTAKES = [
+    Mistake(wrong.top_k_exactly_k, "you kept exactly k tokens (topk's indices): tokens tied with the k-th are then "
+            "kept or dropped by the sort's whim. The package's cut is a *value*: keep every token whose score is "
+            ">= the k-th largest, so all ties survive and more than k tokens may stay."),
+    Mistake(wrong.top_k_drops_kth, "the k-th token itself is gone: keep scores >= the k-th largest "
+            "(remove only those strictly below it)."),
+    Mistake(wrong.top_k_one_threshold, "one threshold for the whole batch: each row needs its own k-th largest "
+            "(`scores.topk(k, dim=-1).values[..., -1:]`, shape [batch, 1])."),
+    Mistake(wrong.top_k_smallest, "you kept the k *smallest* scores: top-k keeps the largest."),
+    Mistake(wrong.top_k_zero_filled, "removed tokens must become -inf, not 0: a logit of 0 is an ordinary token "
+            "(softmax(-inf) = 0)."),
+]
+
+TOP_K_HINTS = [
+    "Find each row's k-th largest score; everything strictly below it goes to -inf. k may exceed the vocabulary.",
+    "kth = scores.topk(min(k, scores.shape[-1]), dim=-1).values[..., -1:] is [batch, 1]; compare every score with it.",
+    "kth = scores.topk(min(k, scores.shape[-1]), dim=-1).values[..., -1:]; "
+    "return scores.masked_fill(scores < kth, -math.inf)",
+]
+
+
+def _top_k_with_a_named_crash(fn: FilterFn) -> FilterFn:
+    """``fn``, with the error of ``topk(k)`` for k > vocab explained (the classic crash)."""
+    def top_k_filter(scores: torch.Tensor, k: int) -> torch.Tensor:
+        try:
+            return fn(scores, k)
+        except NotImplementedError:
+            raise
+        except RuntimeError as err:
+            if k > scores.shape[-1]:
+                raise RuntimeError(f"{err} -- k = {k} is larger than the vocabulary ({scores.shape[-1]}): "
+                                   "clamp it with min(k, vocab); top-k then keeps every token") from None
+            raise
+
+    top_k_filter.__name__ = getattr(fn, "__name__", "top_k_filter")
+    return top_k_filter
+
+
+def check_top_k(fn: FilterFn, hint: int = 0) -> bool:
+    """``fn(scores [batch, vocab], k)`` -> every score below the row's k-th largest set to -inf, as
+    ``minillm.sampling.TopK(k)`` (ties with the k-th all kept; k > vocab keeps everything)."""
+    return _processor_check("top_k_filter", _top_k_with_a_named_crash(fn), _top_k_cases(), hint, TOP_K_HINTS,
+                            TOP_K_MISTAKES)
+
+
+def top_k_filter_solution(scores: torch.Tensor, k: int) -> torch.Tensor:
+    kth_largest = scores.topk(min(k, scores.shape[-1]), dim=-1).values[..., -1:]  # [batch, 1]: a value, not a count
+    return scores.masked_fill(scores < kth_largest, _NEG_INF)  # ties with the k-th stay
+
+
+# --- top-p ---------------------------------------------------------------------------------------
+
+
 def _top_p_cases() -> list[tuple[tuple[torch.Tensor, float], torch.Tensor]]:
     g = torch.Generator().manual_seed(9)
-    inputs = [
+    return _cases(TopP, [
         (_logits([0.15, 0.45, 0.25, 0.10, 0.05]), 0.9),  # 0.45 + 0.25 + 0.15 = 0.85 < 0.9: the 0.10 crosses, kept
         (_logits([0.15, 0.45, 0.25, 0.10, 0.05]), 0.65),  # 0.45 < 0.65, 0.45 + 0.25 crosses: two tokens
         (_logits([0.02, 0.95, 0.03]), 0.9),  # one token already holds more than p: keep it alone, never nothing
         (_logits([0.1, 0.2, 0.3, 0.4], [0.6, 0.25, 0.1, 0.05]), 0.5),  # a batch: each row its own nucleus
         (_logits([0.2, 0.4, 0.2, 0.2]), 0.5),  # ties at the boundary: only one of the three 0.2s is needed
         (_logits([0.0, 0.5, 0.3, 0.0, 0.2]), 0.7),  # -inf from an earlier filter stays -inf
+        (_logits([0.0, 0.5, 0.3, 0.0, 0.2]), 1.0),  # p = 1: everything that can be drawn stays
         (torch.randn(2, 1000, generator=g) * 2, 0.8),  # vocabulary-sized rows
-    ]
-    return [((scores, p), TopP(p)(None, scores)) for scores, p in inputs]  # type: ignore[arg-type]
+    ])
 
 
 def same_filter(got: Any, want: torch.Tensor) -> bool:
@@ -84,81 +222,35 @@ def same_filter(got: Any, want: torch.Tensor) -> bool:
     )
 
 
-def _sorted_probs(scores: torch.Tensor, descending: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    return scores.softmax(dim=-1).sort(dim=-1, descending=descending)
-
-
-def _remove_sorted(scores: torch.Tensor, remove_sorted: torch.Tensor, order: torch.Tensor, fill: float = _NEG_INF) -> torch.Tensor:
-    return scores.masked_fill(remove_sorted.scatter(-1, order, remove_sorted), fill)
-
-
-def _drop_boundary(scores: torch.Tensor, p: float) -> torch.Tensor:
-    sorted_p, order = _sorted_probs(scores)
-    return _remove_sorted(scores, sorted_p.cumsum(-1) >= p, order)
-
-
-def _ascending_walk(scores: torch.Tensor, p: float) -> torch.Tensor:
-    sorted_p, order = _sorted_probs(scores, descending=False)
-    return _remove_sorted(scores, sorted_p.cumsum(-1) - sorted_p >= p, order)
-
-
-def _p_on_logits(scores: torch.Tensor, p: float) -> torch.Tensor:
-    ranked, order = scores.sort(dim=-1, descending=True)
-    return _remove_sorted(scores, ranked.cumsum(-1) - ranked >= p, order)
-
-
-def _unsorted(scores: torch.Tensor, p: float) -> torch.Tensor:
-    probs = scores.softmax(dim=-1)
-    return scores.masked_fill(probs.cumsum(-1) - probs >= p, _NEG_INF)
-
-
-def _all_ties_kept(scores: torch.Tensor, p: float) -> torch.Tensor:
-    sorted_p, _ = _sorted_probs(scores)
-    n_kept = ((sorted_p.cumsum(-1) - sorted_p) < p).sum(-1, keepdim=True)
-    boundary = sorted_p.gather(-1, n_kept - 1)  # the probability of the last token the nucleus needs
-    return scores.masked_fill(scores.softmax(dim=-1) < boundary, _NEG_INF)
-
-
-def _zero_filled(scores: torch.Tensor, p: float) -> torch.Tensor:
-    sorted_p, order = _sorted_probs(scores)
-    return _remove_sorted(scores, sorted_p.cumsum(-1) - sorted_p >= p, order, fill=0.0)
-
-
-def _probabilities(scores: torch.Tensor, p: float) -> torch.Tensor:
-    sorted_p, order = _sorted_probs(scores)
-    return _remove_sorted(scores, sorted_p.cumsum(-1) - sorted_p >= p, order).softmax(dim=-1)
-
-
 TOP_P_MISTAKES = [
     Mistake(
-        _drop_boundary,
+        wrong.top_p_drops_boundary,
         "the boundary token is missing: you kept only the tokens whose running total stays *below* p, so the "
         "nucleus holds less than p (and nothing at all when one token alone has more than p). The token whose "
         "probability makes the total reach p is the last one KEPT.",
     ),
     Mistake(
-        _ascending_walk,
+        wrong.top_p_ascending_walk,
         "you walked up from the *least* likely token: sort descending (most likely first), or, sorting ascending "
         "as transformers does, remove the tail whose cumulative mass is <= 1 - p.",
     ),
     Mistake(
-        _p_on_logits,
+        wrong.top_p_on_logits,
         "p is a probability mass: softmax the scores first. Running sums of logits mean nothing (logits are only "
         "defined up to a constant: these ones are log-probabilities + 2).",
     ),
-    Mistake(_unsorted, "you summed the probabilities in vocabulary order: sort them from most to least likely first."),
+    Mistake(wrong.top_p_unsorted, "you summed the probabilities in vocabulary order: sort them from most to least "
+            "likely first."),
     Mistake(
-        _all_ties_kept,
+        wrong.top_p_all_ties_kept,
         "you kept every token tied with the boundary token: top-p keeps the *smallest* set that reaches p, so "
         "of several equal tokens at the boundary only as many as needed stay (which ones is up to the sort). "
         "Top-k is the one that keeps all ties, because its cut is a value, not a mass.",
     ),
+    Mistake(wrong.top_p_zero_filled, "removed tokens must become -inf, not 0: a logit of 0 is an ordinary, likely "
+            "token (softmax(-inf) = 0)."),
     Mistake(
-        _zero_filled,
-        "removed tokens must become -inf, not 0: a logit of 0 is an ordinary, likely token (softmax(-inf) = 0).",
-    ),
-    Mistake(
-        _probabilities,
+        wrong.top_p_probabilities,
         "return the filtered *scores* (logits, removed ones -inf), not probabilities: the next processor in the "
         "chain and the final softmax expect logits.",
     ),
@@ -175,11 +267,65 @@ TOP_P_HINTS = [
 ]
 
 
-def check_top_p(fn: TopPFn, hint: int = 0) -> bool:
+def check_top_p(fn: FilterFn, hint: int = 0) -> bool:
     """``fn(scores [batch, vocab], p)`` -> the scores with every token outside the nucleus set to -inf,
     as ``minillm.sampling.TopP(p)`` computes them (boundary token kept, ties broken either way)."""
-    return check("top_p_filter", fn, _top_p_cases(), hint=hint, hints=TOP_P_HINTS, equal=same_filter,
-                 mistakes=TOP_P_MISTAKES, rules=[_unchanged_inputs])
+    return _processor_check("top_p_filter", fn, _top_p_cases(), hint, TOP_P_HINTS, TOP_P_MISTAKES, same_filter)
+
+
+def top_p_filter_solution(scores: torch.Tensor, p: float) -> torch.Tensor:
+    sorted_p, order = scores.softmax(dim=-1).sort(dim=-1, descending=True)
+    before = sorted_p.cumsum(dim=-1) - sorted_p  # the mass of the more likely tokens
+    remove_sorted = before >= p  # p is already reached without this token; the boundary token has before < p
+    return scores.masked_fill(remove_sorted.scatter(-1, order, remove_sorted), _NEG_INF)
+
+
+# --- min-p ---------------------------------------------------------------------------------------
+
+
+def _min_p_cases() -> list[tuple[tuple[torch.Tensor, float], torch.Tensor]]:
+    g = torch.Generator().manual_seed(9)
+    confident, flat = [0.55, 0.25, 0.12, 0.05, 0.03], [0.24, 0.2, 0.2, 0.19, 0.17]
+    return _cases(MinP, [
+        (_logits(confident), 0.1),  # the cut is 0.1 x 0.55 = 0.055: the 0.05 and 0.03 go
+        (_logits(confident, flat), 0.3),  # a batch: each row measured against its own top token
+        (_logits([0.4, 0.4, 0.15, 0.05]), 1.0),  # min_p = 1: only the top token, and every token tied with it
+        (torch.randn(2, 50, generator=g), 0.0),  # min_p = 0: nothing removed
+        (_logits([0.0, 0.5, 0.3, 0.0, 0.2]), 0.5),  # -inf from an earlier filter stays -inf
+        (torch.randn(2, 1000, generator=g) * 1.5, 0.05),  # vocabulary-sized, flattened rows
+    ])
+
+
+MIN_P_MISTAKES = [
+    Mistake(wrong.min_p_global_max, "min-p relative to the wrong max: you took the largest probability of the whole "
+            "batch; each row is measured against its own top token (`probs.amax(dim=-1, keepdim=True)`)."),
+    Mistake(wrong.min_p_at_threshold_removed, "a token exactly at the cut stays (remove only probs *below* it): with "
+            "min_p = 1 your filter removes the top token too and nothing can be drawn."),
+    Mistake(wrong.min_p_on_logits, "compare probabilities, not logits: softmax the scores first (logits are only "
+            "defined up to a constant, so `p × the largest logit` means nothing)."),
+    Mistake(wrong.min_p_absolute, "min_p is relative: the cut is min_p × the row's top probability, not min_p "
+            "itself."),
+    Mistake(wrong.min_p_zero_filled, "removed tokens must become -inf, not 0: a logit of 0 is an ordinary token "
+            "(softmax(-inf) = 0)."),
+]
+
+MIN_P_HINTS = [
+    "Softmax each row; a token stays when its probability is at least min_p times the row's largest probability.",
+    "probs = scores.softmax(-1); threshold = p * probs.amax(dim=-1, keepdim=True) is [batch, 1].",
+    "probs = scores.softmax(-1); return scores.masked_fill(probs < p * probs.amax(dim=-1, keepdim=True), -math.inf)",
+]
+
+
+def check_min_p(fn: FilterFn, hint: int = 0) -> bool:
+    """``fn(scores [batch, vocab], p)`` -> the scores of tokens with probability below ``p`` times their row's
+    top probability set to -inf, as ``minillm.sampling.MinP(p)``."""
+    return _processor_check("min_p_filter", fn, _min_p_cases(), hint, MIN_P_HINTS, MIN_P_MISTAKES)
+
+
+def min_p_filter_solution(scores: torch.Tensor, p: float) -> torch.Tensor:
+    probs = scores.softmax(dim=-1)
+    threshold = p * probs.amax(dim=-1, keepdim=True)  # [batch, 1]: each row against its own top token
+    return scores.masked_fill(probs < threshold, _NEG_INF)  # the top token always passes (p <= 1)
 
 
 # --- the repetition penalty ----------------------------------------------------------------------
@@ -204,62 +350,29 @@ def _penalty_cases() -> list[tuple[tuple[torch.Tensor, list[int], list[int], flo
     return [(args, _package_penalty(*args)) for args in inputs]
 
 
-def _sign_rule(scores: torch.Tensor, seen: list[int], penalty: float) -> torch.Tensor:
-    index = torch.tensor(sorted(set(seen)), dtype=torch.long)
-    old = scores[index]
-    return scores.index_put((index,), torch.where(old < 0, old * penalty, old / penalty))
-
-
-def _divide(scores: torch.Tensor, seen: list[int], penalty: float) -> torch.Tensor:
-    index = torch.tensor(sorted(set(seen)), dtype=torch.long)
-    return scores.index_put((index,), scores[index] / penalty)
-
-
-def _ctrl_paper(scores: torch.Tensor, prompt_ids: list[int], output_ids: list[int], penalty: float) -> torch.Tensor:
-    return _divide(scores, output_ids, penalty)
-
-
-def _divides_negatives(scores: torch.Tensor, prompt_ids: list[int], output_ids: list[int], penalty: float) -> torch.Tensor:
-    return _divide(scores, prompt_ids + output_ids, penalty)
-
-
-def _generated_only(scores: torch.Tensor, prompt_ids: list[int], output_ids: list[int], penalty: float) -> torch.Tensor:
-    return _sign_rule(scores, output_ids, penalty)
-
-
-def _per_occurrence(scores: torch.Tensor, prompt_ids: list[int], output_ids: list[int], penalty: float) -> torch.Tensor:
-    counts = torch.bincount(torch.tensor(prompt_ids + output_ids, dtype=torch.long), minlength=len(scores))
-    factor = penalty ** counts.to(scores.dtype)
-    return torch.where(scores < 0, scores * factor, scores / factor)
-
-
-def _signs_swapped(scores: torch.Tensor, prompt_ids: list[int], output_ids: list[int], penalty: float) -> torch.Tensor:
-    return _sign_rule(scores, prompt_ids + output_ids, 1 / penalty)
-
-
 PENALTY_MISTAKES = [
     Mistake(
-        _ctrl_paper,
+        wrong.penalty_ctrl_paper,
         "that is the CTRL paper's original rule (divide, generated tokens only). The package follows transformers: "
         "negative logits are multiplied, and the prompt's tokens count too.",
     ),
     Mistake(
-        _divides_negatives,
+        wrong.penalty_divides_negatives,
         "you divided every seen logit: a negative logit divided by a penalty > 1 moves towards 0, i.e. UP, and the "
         "token gets likelier. Divide positive logits, multiply negative ones (both move down).",
     ),
     Mistake(
-        _generated_only,
+        wrong.penalty_generated_only,
         "the prompt's tokens are not penalized: the package (like transformers for decoder-only models, and vLLM) "
         "counts every token of prompt + output; generated tokens only is the CTRL paper's rule.",
     ),
     Mistake(
-        _per_occurrence,
+        wrong.penalty_per_occurrence,
         "you penalized once per occurrence (penalty ** count): each distinct token is penalized once, however often "
         "it occurred. Counting occurrences is what OpenAI's additive frequency_penalty does.",
     ),
     Mistake(
-        _signs_swapped,
+        wrong.penalty_signs_swapped,
         "the signs are swapped: you multiplied positive logits and divided negative ones, which pushes both UP. "
         "Divide positive logits, multiply negative ones.",
     ),
@@ -276,157 +389,13 @@ PENALTY_HINTS = [
 def check_repetition_penalty(fn: PenaltyFn, hint: int = 0) -> bool:
     """``fn(scores [vocab], prompt_ids, output_ids, penalty)`` -> the penalized scores, as
     ``minillm.sampling.RepetitionPenalty(penalty)`` computes them on the history prompt + output."""
-    return check("repetition_penalty", fn, _penalty_cases(), hint=hint, hints=PENALTY_HINTS,
-                 mistakes=PENALTY_MISTAKES, rules=[_unchanged_inputs])
+    return _processor_check("repetition_penalty", fn, _penalty_cases(), hint, PENALTY_HINTS, PENALTY_MISTAKES)
 
 
-# --- stop strings --------------------------------------------------------------------------------
-
-
-def _package_cut(text: str, stops: list[str]) -> tuple[str, bool]:
-    """What the engine shows: the stream filter fed the whole text at once, then flushed."""
-    stream = StopStringFilter(tuple(stops))
-    shown = stream.push(text) + stream.flush()
-    return shown, stream.stopped
-
-
-def _stop_cases() -> list[tuple[tuple[str, list[str]], tuple[str, bool]]]:
-    inputs = [
-        ("Paris.\nThe answer is", ["\n"]),
-        ("a.b.c", ["."]),  # the first occurrence, not the last
-        ("one. two! three", ["!", "."]),  # '.' comes first in the text, though it is listed second
-        ("User: hi\nUser: bye", ["\nUser:"]),
-        ("abcd", ["cd", "bc"]),
-        ("a b c", ["x"]),
-        ("", ["a"]),
-    ]
-    return [((text, stops), _package_cut(text, stops)) for text, stops in inputs]
-
-
-def _keeps_stop(text: str, stops: list[str]) -> tuple[str, bool]:
-    hits = [(i, s) for s in stops if (i := text.find(s)) >= 0]
-    if not hits:
-        return text, False
-    i, s = min(hits)
-    return text[: i + len(s)], True
-
-
-def _last_occurrence(text: str, stops: list[str]) -> tuple[str, bool]:
-    hits = [i for i in (text.rfind(s) for s in stops) if i >= 0]
-    return (text[: min(hits)], True) if hits else (text, False)
-
-
-def _first_listed(text: str, stops: list[str]) -> tuple[str, bool]:
-    for s in stops:
-        if s in text:
-            return text[: text.find(s)], True
-    return text, False
-
-
-STOP_MISTAKES = [
-    Mistake(_keeps_stop, "cut *before* the stop string: it never reaches the user (OpenAI and vLLM semantics)."),
-    Mistake(_last_occurrence, "cut at the *first* occurrence (`find`, not `rfind`): nothing after a stop string may be shown."),
-    Mistake(_first_listed, "the earliest occurrence in the text wins, whichever stop string it is, not the first one listed."),
-]
-
-STOP_HINTS = [
-    "Find where each stop string first occurs in the text; the earliest one ends the text.",
-    "text.find(s) is the first index of s, or -1; keep the smallest index >= 0 over all stop strings.",
-    "hits = [i for i in (text.find(s) for s in stops) if i >= 0]; "
-    "return (text[:min(hits)], True) if hits else (text, False)",
-]
-
-
-def check_cut_at_stop(fn: StopFn, hint: int = 0) -> bool:
-    """``fn(text, stops)`` -> ``(text before the earliest stop string, whether one occurred)``, what
-    the engine's ``StopStringFilter`` shows."""
-    return check("cut_at_stop", fn, _stop_cases(), hint=hint, hints=STOP_HINTS, mistakes=STOP_MISTAKES)
-
-
-# --- one step of beam search ---------------------------------------------------------------------
-
-
-def _brute_force_candidates(beam_scores: torch.Tensor, log_probs: torch.Tensor, num_beams: int) -> list[tuple[int, int, float]]:
-    """Every (beam, token) continuation scored and ranked in plain Python: slow, obviously right."""
-    pairs = [(float(beam_scores[b] + log_probs[b, t]), b, t)
-             for b in range(log_probs.shape[0]) for t in range(log_probs.shape[1])]
-    return [(b, t, s) for s, b, t in sorted(pairs, reverse=True)[: 2 * num_beams]]
-
-
-def _beam_cases() -> list[tuple[tuple[torch.Tensor, torch.Tensor, int], list[tuple[int, int, float]]]]:
-    g = torch.Generator().manual_seed(9)
-    dominant = (torch.tensor([0.0, -5.0, -6.0]), (torch.randn(3, 50, generator=g) * 2).log_softmax(-1), 3)
-    return [
-        ((torch.tensor([0.0]), torch.tensor([[-0.5, -1.0, -2.0, -3.0]]), 1), [(0, 0, -0.5), (0, 1, -1.0)]),
-        ((torch.tensor([-1.0, -2.0]), torch.tensor([[-0.25, -2.0, -3.0], [-0.5, -0.75, -5.0]]), 2),
-         [(0, 0, -1.25), (1, 0, -2.5), (1, 1, -2.75), (0, 1, -3.0)]),
-        (dominant, _brute_force_candidates(*dominant)),  # the best beam is far ahead: all 6 candidates extend it
-    ]
-
-
-def same_candidates(got: Any, want: list[tuple[int, int, float]]) -> bool:
-    """Same (parent, token) pairs in the same order, scores within float rounding."""
-    try:
-        return len(got) == len(want) and all(
-            int(a[0]) == b[0] and int(a[1]) == b[1] and math.isclose(float(a[2]), b[2], rel_tol=1e-5, abs_tol=1e-5)
-            for a, b in zip(got, want))
-    except (TypeError, ValueError, IndexError):
-        return False
-
-
-def _topk_candidates(scores: torch.Tensor, k: int) -> list[tuple[int, int, float]]:
-    top, index = scores.flatten().topk(k)
-    return [(*divmod(i, scores.shape[-1]), s) for s, i in zip(top.tolist(), index.tolist())]
-
-
-def _without_beam_scores(beam_scores: torch.Tensor, log_probs: torch.Tensor, num_beams: int) -> list[tuple[int, int, float]]:
-    return _topk_candidates(log_probs, 2 * num_beams)
-
-
-def _num_beams_only(beam_scores: torch.Tensor, log_probs: torch.Tensor, num_beams: int) -> list[tuple[int, int, float]]:
-    return _topk_candidates(log_probs + beam_scores[:, None], num_beams)
-
-
-def _divmod_swapped(beam_scores: torch.Tensor, log_probs: torch.Tensor, num_beams: int) -> list[tuple[int, int, float]]:
-    return [(t, b, s) for b, t, s in _topk_candidates(log_probs + beam_scores[:, None], 2 * num_beams)]
-
-
-def _fixed_share_per_beam(beam_scores: torch.Tensor, log_probs: torch.Tensor, num_beams: int) -> list[tuple[int, int, float]]:
-    scores = log_probs + beam_scores[:, None]
-    per_beam = [(s, b, t) for b in range(scores.shape[0])
-                for s, t in zip(*(x.tolist() for x in scores[b].topk(2)))]
-    return [(b, t, s) for s, b, t in sorted(per_beam, reverse=True)[: 2 * num_beams]]
-
-
-BEAM_MISTAKES = [
-    Mistake(_num_beams_only, "return 2 × num_beams candidates, not num_beams: the spares replace candidates that end (EOS)."),
-    Mistake(
-        _divmod_swapped,
-        "parent and token are swapped: in the flattened [beams × vocab] scores, index // vocab is the beam and "
-        "index % vocab the token (`divmod(index, vocab)`).",
-    ),
-    Mistake(
-        _without_beam_scores,
-        "add each beam's cumulative score (beam_scores[:, None] + log_probs): candidates are ranked by the log-prob "
-        "of the whole sequence, not of the last token.",
-    ),
-    Mistake(
-        _fixed_share_per_beam,
-        "rank all beams' continuations together: when one beam is far ahead, every candidate may extend it. A fixed "
-        "share per beam is several greedy searches side by side, not beam search.",
-    ),
-]
-
-BEAM_HINTS = [
-    "A candidate's score is its beam's score plus the new token's log-prob; rank every (beam, token) pair at once.",
-    "scores = log_probs + beam_scores[:, None] is [beams, vocab]; flatten it and take topk(2 * num_beams).",
-    "top, index = scores.flatten().topk(2 * num_beams); "
-    "return [(*divmod(i, vocab), s) for s, i in zip(top.tolist(), index.tolist())]",
-]
-
-
-def check_beam_candidates(fn: BeamFn, hint: int = 0) -> bool:
-    """``fn(beam_scores [beams], log_probs [beams, vocab], num_beams)`` -> the best ``2 * num_beams``
-    ``(parent beam, token, total score)`` tuples, best first."""
-    return check("beam_candidates", fn, _beam_cases(), hint=hint, hints=BEAM_HINTS, equal=same_candidates,
-                 mistakes=BEAM_MISTAKES)
+def repetition_penalty_solution(scores: torch.Tensor, prompt_ids: list[int], output_ids: list[int],
+                                penalty: float) -> torch.Tensor:
+    index = torch.tensor(sorted(set(prompt_ids + output_ids)), dtype=torch.long)  # each distinct token once
+    seen = scores[index]
+    new = scores.clone()  # never write into the caller's logits
+    new[index] = torch.where(seen < 0, seen * penalty, seen / penalty)  # both move the logit down (penalty > 1)
+    return new
