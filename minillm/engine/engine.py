@@ -30,9 +30,10 @@ from minillm.engine.beam import BeamSearch
 from minillm.engine.request import Completion, Request
 from minillm.engine.runner import ModelRunner
 from minillm.engine.scheduler import ScheduledBatch, Scheduler
+from minillm.engine.scoring import prompt_logprobs
 from minillm.errors import GenerationError
 from minillm.model.llama import Transformer
-from minillm.sampling import NO_TOKEN, SamplingParams, SamplingState, make_generator, sample_batch
+from minillm.sampling import NO_TOKEN, SamplingParams, SamplingState, TokenLogprob, make_generator, sample_batch
 from minillm.structured import GrammarState, token_index
 from minillm.tokenizer import Tokenizer
 
@@ -218,6 +219,11 @@ class Engine:
         if not request.finished:
             self.scheduler.add(request)
         return request
+
+    def score(self, prompt: Prompt, top: int = 0) -> list[TokenLogprob | None]:
+        """Each prompt token's log-probability given the tokens before it (None for the first),
+        with the ``top`` best alternatives at each position: ``echo`` with ``logprobs``."""
+        return prompt_logprobs(self.model, self._encode(prompt, SamplingParams(max_new_tokens=0)), top)
 
     def abort(self, unit: Unit) -> None:
         """End a request now (finish reason ``"abort"``) and return its KV blocks; a finished one

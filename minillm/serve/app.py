@@ -129,11 +129,14 @@ class Server:
             if isinstance(prompt, str):
                 self._refuse_by_size(len(prompt.encode("utf-8", "surrogatepass")), "prompt")
             else:
-                self._check_fits(len(prompt), max_tokens, "prompt")
+                self._check_fits(len(prompt), max_tokens, "prompt", least=0)
         prompt_ids = await run_in_threadpool(lambda: [self._encode_text(p) for p in prompts])
         for ids in prompt_ids:
-            self._check_fits(len(ids), max_tokens, "prompt")
-        return await self._generate(request, body, prompt_ids, max_tokens, arrival, chat=False)
+            self._check_fits(len(ids), max_tokens, "prompt", least=0)
+        if max_tokens == 0 and not body.echo:
+            raise ApiError(400, "max_tokens: 0 generates nothing: it is only allowed with echo", param="max_tokens")
+        echoes = await run_in_threadpool(self._echo, prompts, prompt_ids, body.logprobs) if body.echo else None
+        return await self._generate(request, body, prompt_ids, max_tokens, arrival, chat=False, echoes=echoes)
 
     async def models(self) -> JSONResponse:
         return JSONResponse({"object": "list", "data": [
@@ -190,11 +193,12 @@ class Server:
             return prompt  # token ids: the engine checks them against the vocabulary
         return self.tokenizer.encode(prompt)  # as Engine.generate encodes a str prompt
 
-    def _check_fits(self, prompt_tokens: int, max_tokens: int, param: str) -> None:
+    def _check_fits(self, prompt_tokens: int, max_tokens: int, param: str, least: int = 1) -> None:
+        """The prompt and ``max_tokens`` (at least ``least``: 0 only for an echoed prompt) fit the context."""
         if prompt_tokens == 0:
             raise ApiError(400, f"{param}: the prompt is empty: it needs at least one token", param=param)
-        if max_tokens < 1 or prompt_tokens + max_tokens > self.longest:
-            wanted = max(max_tokens, 1)
+        if max_tokens < least or prompt_tokens + max_tokens > self.longest:
+            wanted = max(max_tokens, least)
             raise ApiError(400, f"{self._limit()}. However, you requested {prompt_tokens + wanted} tokens "
                                 f"({prompt_tokens} in the {param}, {wanted} in the completion). Please reduce the "
                                 f"length of the {param} or completion.", param=param, code="context_length_exceeded")
@@ -211,8 +215,26 @@ class Server:
                            code="invalid_response_format") from err
 
     # -- generation
+    def _echo(self, prompts: list[str | list[int]], prompt_ids: list[list[int]],
+               top: int | None) -> list[tuple[str, list[TokenLogprobs] | None]]:
+        """``echo``: each prompt's text, and (with ``logprobs``) each of its tokens' log-probability
+        given those before it. Scored in this request thread, on the model's plain forward
+        (``Engine.score``): the engine's thread goes on decoding the others meanwhile."""
+        engine = self.worker.engine
+        echoes = []
+        for prompt, ids in zip(prompts, prompt_ids):
+            text = prompt if isinstance(prompt, str) else engine.tokenizer.decode(ids)
+            entries = None
+            if top is not None:
+                entries = [TokenLogprobs.of(t, None if lp is None else lp.logprob, () if lp is None else lp.top,
+                                            engine.tokenizer.decode_bytes)
+                           for t, lp in zip(ids, engine.score(ids, top))]
+            echoes.append((text, entries))
+        return echoes
+
     async def _generate(self, request: HttpRequest, body: GenerationBody, prompts: list[list[int]],
-                        max_tokens: int, arrival: float, chat: bool) -> Response:
+                        max_tokens: int, arrival: float, chat: bool,
+                        echoes: list[tuple[str, list[TokenLogprobs] | None]] | None = None) -> Response:
         params = body.sampling_params(max_tokens)
         if params.response_format is not None:  # build the automaton here, not in the engine's thread
             await run_in_threadpool(self._grammar_index, params)
@@ -226,19 +248,27 @@ class Server:
             raise first.error
         reply = Reply.new(chat, self.model_id)
         prompt_tokens = sum(len(ids) for ids in prompts)
+        # choice i answers prompt i // n: it echoes that prompt
+        echoed = None if echoes is None else [echoes[i // body.n] for i in range(len(choices))]
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return _JobStream(self._stream(job, reply, prompt_tokens, include_usage), lambda: self.worker.abort(job))
-        return JSONResponse(await self._collect(job, reply, prompt_tokens, request))
+            return _JobStream(self._stream(job, reply, prompt_tokens, include_usage, echoed),
+                              lambda: self.worker.abort(job))
+        return JSONResponse(await self._collect(job, reply, prompt_tokens, request, echoed))
 
-    async def _stream(self, job: Job, reply: Reply, prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
-        """The Server-Sent Events of one job: a role chunk per choice (chat), the text as it comes,
-        a chunk with each choice's finish reason, the usage if asked for, then ``[DONE]``."""
+    async def _stream(self, job: Job, reply: Reply, prompt_tokens: int, include_usage: bool,
+                      echoed: list[tuple[str, list[TokenLogprobs] | None]] | None = None) -> AsyncIterator[str]:
+        """The Server-Sent Events of one job: a role chunk per choice (chat) or its echoed prompt,
+        the text as it comes, a chunk with each choice's finish reason, the usage if asked for, then
+        ``[DONE]``."""
         finished = completion_tokens = 0
         offsets = [0] * len(job.choices)  # characters of each choice streamed so far (legacy text_offset)
         if reply.chat:
             for index in range(len(job.choices)):
                 yield sse(reply.chunk(index, role=True))
+        for index, (text, entries) in enumerate(echoed or ()):
+            yield sse(reply.chunk(index, text, logprobs=entries))
+            offsets[index] = len(text)
         while finished < len(job.choices):
             event = await job.events.get()
             if isinstance(event, Delta):
@@ -257,11 +287,14 @@ class Server:
                 yield sse(reply.usage_chunk(token_usage(prompt_tokens, completion_tokens)))
         yield "data: [DONE]\n\n"
 
-    async def _collect(self, job: Job, reply: Reply, prompt_tokens: int, request: HttpRequest) -> dict[str, Any]:
+    async def _collect(self, job: Job, reply: Reply, prompt_tokens: int, request: HttpRequest,
+                       echoed: list[tuple[str, list[TokenLogprobs] | None]] | None = None) -> dict[str, Any]:
         """The whole answer of a non-streaming request; aborted if the client disconnects meanwhile."""
         n = len(job.choices)
         texts, reasons = [""] * n, ["length"] * n
         logprobs: list[list[TokenLogprobs] | None] = [None] * n
+        for index, (text, entries) in enumerate(echoed or ()):
+            texts[index], logprobs[index] = text, None if entries is None else list(entries)
         finished = completion_tokens = 0
         watcher = asyncio.create_task(_end_on_disconnect(request, job))
         try:

@@ -13,6 +13,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Optional, TypeVar, Union
 
@@ -201,6 +202,8 @@ class CompletionBody(GenerationBody):
     # a prompt, a list of prompts, token ids, or a list of token-id prompts (as OpenAI accepts)
     prompt: Union[str, list[str], list[int], list[list[int]]]
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)  # the legacy API: a count, not a flag
+    echo: bool = False  # the prompt comes back before the completion (with its tokens' logprobs, if asked)
+    max_tokens: Optional[int] = Field(None, ge=0)  # 0: score the prompt only (with echo), generate nothing
 
     def logprobs_count(self) -> int | None:
         return self.logprobs
@@ -225,7 +228,7 @@ class CompletionBody(GenerationBody):
 # OpenAI fields this server cannot honour, with the values that mean "not used".
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
-    "function_call": (None, "none", "auto"), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
+    "function_call": (None, "none", "auto"), "best_of": (None, 1), "suffix": (None, ""),
 }
 
 
@@ -244,8 +247,17 @@ class TokenLogprobs:
 
     token: str
     token_bytes: bytes
-    logprob: float
+    logprob: float | None  # None: the first token of an echoed prompt, which nothing predicts
     top: tuple[tuple[str, bytes, float], ...] = ()
+
+    @classmethod
+    def of(cls, token_id: int, logprob: float | None, top: Sequence[tuple[int, float]],
+           decode_bytes: Callable[[list[int]], bytes]) -> TokenLogprobs:
+        """From token ids, with ``decode_bytes`` (the tokenizer's) giving each token's bytes."""
+        def text(i: int) -> tuple[str, bytes]:
+            raw = decode_bytes([i])
+            return raw.decode("utf-8", "replace"), raw
+        return cls(*text(token_id), logprob, tuple((*text(i), v) for i, v in top))
 
 
 @dataclass(frozen=True)
@@ -296,7 +308,8 @@ class Reply:
             offsets.append(offset)
             offset += len(e.token)
         return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{t: lp for t, _, lp in e.top} for e in entries], "text_offset": offsets}
+                "top_logprobs": [None if e.logprob is None else {t: lp for t, _, lp in e.top} for e in entries],
+                "text_offset": offsets}
 
     def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
         return self._object("chat.completion.chunk" if self.chat else "text_completion", [], usage=usage)

@@ -31,7 +31,6 @@ from minillm.engine import Engine
 from minillm.engine.request import Request
 from minillm.sampling import SamplingParams
 from minillm.serve.metrics import EngineSnapshot, Metrics
-from minillm.sampling import TokenLogprob
 from minillm.serve.protocol import FINISH_REASONS, ApiError, TokenLogprobs, shutting_down
 
 log = logging.getLogger("minillm.serve")
@@ -272,13 +271,8 @@ class EngineWorker:
             return None
         sent = self._logprobs_sent.get(request, 0)
         self._logprobs_sent[request] = len(request.logprobs)
-        return [self._for_wire(lp) for lp in request.logprobs[sent:]]
-
-    def _for_wire(self, lp: TokenLogprob) -> TokenLogprobs:
-        def text(token_id: int) -> tuple[str, bytes]:
-            raw = self.engine.tokenizer.decode_bytes([token_id])
-            return raw.decode("utf-8", "replace"), raw
-        return TokenLogprobs(*text(lp.token_id), lp.logprob, tuple((*text(i), v) for i, v in lp.top))
+        decode = self.engine.tokenizer.decode_bytes
+        return [TokenLogprobs.of(lp.token_id, lp.logprob, lp.top, decode) for lp in request.logprobs[sent:]]
 
     def _fail(self, job: Job, error: ApiError) -> None:
         for request in job.requests:

@@ -316,7 +316,7 @@ LONG_TEXT = "To be, or not to be: that is the question. " * 2500  # > 20,000 tok
     ("/v1/chat/completions", '{' + CHAT + ', "stop": ["a", "b", "c", "d", "e"]}', 400, "stop", None),
     ("/v1/chat/completions", '{' + CHAT + ', "presence_penalty": 0.5}', 400, "presence_penalty",
      "unsupported_parameter"),
-    ("/v1/completions", '{"prompt": "hi", "echo": true}', 400, "echo", "unsupported_parameter"),
+    ("/v1/completions", '{"prompt": "hi", "best_of": 3}', 400, "best_of", "unsupported_parameter"),
     ("/v1/chat/completions", '{' + CHAT + ', "max_tokens": 600}', 400, "messages", "context_length_exceeded"),
     ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": LONG_TEXT}]}), 400, "messages",
      "context_length_exceeded"),
@@ -327,7 +327,7 @@ LONG_TEXT = "To be, or not to be: that is the question. " * 2500  # > 20,000 tok
     ("/v1/completions", '{"prompt": "hi", "n": 100, "max_tokens": 1, "seed": -1}', 400, "seed", None),
 ], ids=["bad-json", "not-an-object", "unknown-model-chat", "unknown-model-completions", "negative-max-tokens",
         "temperature-nan", "temperature-inf", "empty-messages", "unknown-role", "no-content", "n-0", "top-p-0",
-        "max-tokens-string", "empty-stop", "five-stops", "presence-penalty", "echo", "past-context-by-max-tokens",
+        "max-tokens-string", "empty-stop", "five-stops", "presence-penalty", "best-of", "past-context-by-max-tokens",
         "20k-token-chat", "20k-token-ids", "20k-token-text", "id-past-vocab", "empty-prompt", "negative-seed"])
 def test_a_bad_request_gets_openai_error_json_and_the_server_keeps_serving(tiny, path, body, status, param, code):
     served, _ = tiny

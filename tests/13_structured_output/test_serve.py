@@ -112,3 +112,38 @@ def test_bad_constraints_are_a_400_and_the_server_keeps_serving(served, body, pa
     reply = served.client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=20, temperature=0,
                                                   response_format={"type": "regex", "regex": "(yes|no)"})
     assert reply.choices[0].message.content in ("yes", "no")
+
+
+def test_echo_scores_the_prompt_as_an_evaluation_harness_asks(served, tiny):
+    """lm-evaluation-harness's local-completions: token-id prompts, echo, logprobs=1, max_tokens=1;
+    it sums token_logprobs[context:-1] and compares each with max(top_logprobs)."""
+    model, tok = tiny
+    prompts = [tok.encode("the king is dead"), tok.encode("long live the queen")]
+    reply = served.client.completions.create(model="tiny", prompt=prompts, echo=True, logprobs=1, max_tokens=1,
+                                             temperature=0, seed=1234)
+    for choice, ids in zip(sorted(reply.choices, key=lambda c: c.index), prompts):
+        lp = choice.logprobs
+        assert len(lp.token_logprobs) == len(ids) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert choice.text.startswith(tok.decode(ids))
+        expected = [s.logprob for s in served_engine_score(model, ids)[1:]]
+        assert lp.token_logprobs[1:len(ids)] == pytest.approx(expected, abs=1e-9)  # float64: one forward's rounding
+        for value, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:]):
+            assert max(top.values()) >= value - 1e-12
+
+
+def served_engine_score(model, ids):
+    from minillm.engine.scoring import prompt_logprobs
+
+    return prompt_logprobs(model, ids)
+
+
+def test_echo_with_max_tokens_0_and_streamed(served, tiny):
+    reply = served.client.completions.create(model="tiny", prompt="the king", echo=True, logprobs=0, max_tokens=0)
+    assert reply.choices[0].text == "the king" and reply.usage.completion_tokens == 0
+    chunks = list(served.client.completions.create(model="tiny", prompt="the king", echo=True, max_tokens=3,
+                                                   temperature=0, stream=True))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    whole = served.client.completions.create(model="tiny", prompt="the king", echo=True, max_tokens=3, temperature=0)
+    assert text == whole.choices[0].text and text.startswith("the king")
+    with pytest.raises(openai.BadRequestError, match="only allowed with echo"):
+        served.client.completions.create(model="tiny", prompt="the king", max_tokens=0)
