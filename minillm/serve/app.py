@@ -51,13 +51,12 @@ from minillm.serve.protocol import (
     parse_body,
     read_body,
     refuse_unsupported,
-    sse,
-    token_usage,
     validation_error,
 )
 from minillm.serve.security import Guard, Policy, is_loopback, page_headers, uvicorn_config
 from minillm.serve.shutdown import Drain, DrainMiddleware, SignalStop
-from minillm.serve.worker import Delta, EngineWorker, Failed, Finished, Job
+from minillm.serve.responses import collect_events, stream_events
+from minillm.serve.worker import EngineWorker, Failed, Job
 from minillm.structured import token_index
 
 
@@ -252,69 +251,9 @@ class Server:
         echoed = None if echoes is None else [echoes[i // body.n] for i in range(len(choices))]
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return _JobStream(self._stream(job, reply, prompt_tokens, include_usage, echoed),
+            return _JobStream(stream_events(job, reply, prompt_tokens, include_usage, echoed),
                               lambda: self.worker.abort(job))
-        return JSONResponse(await self._collect(job, reply, prompt_tokens, request, echoed))
-
-    async def _stream(self, job: Job, reply: Reply, prompt_tokens: int, include_usage: bool,
-                      echoed: list[tuple[str, list[TokenLogprobs] | None]] | None = None) -> AsyncIterator[str]:
-        """The Server-Sent Events of one job: a role chunk per choice (chat) or its echoed prompt,
-        the text as it comes, a chunk with each choice's finish reason, the usage if asked for, then
-        ``[DONE]``."""
-        finished = completion_tokens = 0
-        offsets = [0] * len(job.choices)  # characters of each choice streamed so far (legacy text_offset)
-        if reply.chat:
-            for index in range(len(job.choices)):
-                yield sse(reply.chunk(index, role=True))
-        for index, (text, entries) in enumerate(echoed or ()):
-            yield sse(reply.chunk(index, text, logprobs=entries))
-            offsets[index] = len(text)
-        while finished < len(job.choices):
-            event = await job.events.get()
-            if isinstance(event, Delta):
-                yield sse(reply.chunk(event.index, event.text, logprobs=event.logprobs, offset=offsets[event.index]))
-                offsets[event.index] += len(event.text)
-            elif isinstance(event, Finished):
-                finished += 1
-                completion_tokens += event.completion_tokens
-                yield sse(reply.chunk(event.index, finish_reason=event.finish_reason, logprobs=event.logprobs or None,
-                                      offset=offsets[event.index]))
-            elif isinstance(event, Failed):  # the status line is sent already: the error goes in the stream
-                yield sse(event.error.body())
-                break
-        else:
-            if include_usage:
-                yield sse(reply.usage_chunk(token_usage(prompt_tokens, completion_tokens)))
-        yield "data: [DONE]\n\n"
-
-    async def _collect(self, job: Job, reply: Reply, prompt_tokens: int, request: HttpRequest,
-                       echoed: list[tuple[str, list[TokenLogprobs] | None]] | None = None) -> dict[str, Any]:
-        """The whole answer of a non-streaming request; aborted if the client disconnects meanwhile."""
-        n = len(job.choices)
-        texts, reasons = [""] * n, ["length"] * n
-        logprobs: list[list[TokenLogprobs] | None] = [None] * n
-        for index, (text, entries) in enumerate(echoed or ()):
-            texts[index], logprobs[index] = text, None if entries is None else list(entries)
-        finished = completion_tokens = 0
-        watcher = asyncio.create_task(_end_on_disconnect(request, job))
-        try:
-            while finished < n:
-                event = await job.events.get()
-                if isinstance(event, (Delta, Finished)) and event.logprobs is not None:
-                    logprobs[event.index] = (logprobs[event.index] or []) + event.logprobs
-                if isinstance(event, Delta):
-                    texts[event.index] += event.text
-                elif isinstance(event, Finished):
-                    finished += 1
-                    completion_tokens += event.completion_tokens
-                    reasons[event.index] = event.finish_reason
-                elif isinstance(event, Failed):
-                    raise event.error
-        finally:
-            watcher.cancel()
-            if finished < n:
-                self.worker.abort(job)
-        return reply.response(texts, reasons, token_usage(prompt_tokens, completion_tokens), logprobs)
+        return JSONResponse(await collect_events(job, reply, prompt_tokens, request, self.worker.abort, echoed))
 
     # -- stopping (see ``shutdown``)
     async def shutdown(self, grace: float) -> None:
@@ -325,14 +264,6 @@ class Server:
         self.drain.draining = True
         await self.drain.wait_idle(grace)
         await run_in_threadpool(self.worker.stop)
-
-
-async def _end_on_disconnect(request: HttpRequest, job: Job) -> None:
-    """Wait for the client of a non-streaming request to go away, then end the wait for its
-    answer. (Its body is read: the only message still to come is the disconnect.)"""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-    job.events.put_nowait(Failed(ApiError(499, "the client closed the connection")))
 
 
 def create_app(engine: Engine, model_id: str = "SmolLM2-135M-Instruct", aliases: Sequence[str] = (),
