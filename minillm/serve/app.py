@@ -46,7 +46,6 @@ from minillm.serve.protocol import (
     CompletionBody,
     GenerationBody,
     Reply,
-    TokenLogprobs,
     clip,
     parse_body,
     read_body,
@@ -134,8 +133,9 @@ class Server:
             self._check_fits(len(ids), max_tokens, "prompt", least=0)
         if max_tokens == 0 and not body.echo:
             raise ApiError(400, "max_tokens: 0 generates nothing: it is only allowed with echo", param="max_tokens")
-        echoes = await run_in_threadpool(self._echo, prompts, prompt_ids, body.logprobs) if body.echo else None
-        return await self._generate(request, body, prompt_ids, max_tokens, arrival, chat=False, echoes=echoes)
+        return await self._generate(request, body, prompt_ids, max_tokens, arrival, chat=False,
+                                    echo=[p if isinstance(p, str) else self.tokenizer.decode(ids)
+                                          for p, ids in zip(prompts, prompt_ids)] if body.echo else None)
 
     async def models(self) -> JSONResponse:
         return JSONResponse({"object": "list", "data": [
@@ -214,26 +214,10 @@ class Server:
                            code="invalid_response_format") from err
 
     # -- generation
-    def _echo(self, prompts: list[str | list[int]], prompt_ids: list[list[int]],
-               top: int | None) -> list[tuple[str, list[TokenLogprobs] | None]]:
-        """``echo``: each prompt's text, and (with ``logprobs``) each of its tokens' log-probability
-        given those before it. Scored in this request thread, on the model's plain forward
-        (``Engine.score``): the engine's thread goes on decoding the others meanwhile."""
-        engine = self.worker.engine
-        echoes = []
-        for prompt, ids in zip(prompts, prompt_ids):
-            text = prompt if isinstance(prompt, str) else engine.tokenizer.decode(ids)
-            entries = None
-            if top is not None:
-                entries = [TokenLogprobs.of(t, None if lp is None else lp.logprob, () if lp is None else lp.top,
-                                            engine.tokenizer.decode_bytes)
-                           for t, lp in zip(ids, engine.score(ids, top))]
-            echoes.append((text, entries))
-        return echoes
-
     async def _generate(self, request: HttpRequest, body: GenerationBody, prompts: list[list[int]],
-                        max_tokens: int, arrival: float, chat: bool,
-                        echoes: list[tuple[str, list[TokenLogprobs] | None]] | None = None) -> Response:
+                        max_tokens: int, arrival: float, chat: bool, echo: list[str] | None = None) -> Response:
+        """Run the job; ``echo``: each prompt's text, to come back before its completion (with its
+        tokens' log-probabilities, scored on the engine's thread, when logprobs are asked for)."""
         params = body.sampling_params(max_tokens)
         if params.response_format is not None:  # build the automaton here, not in the engine's thread
             await run_in_threadpool(self._grammar_index, params)
@@ -241,6 +225,8 @@ class Server:
         choices = [(ids, params if params.seed is None else replace(params, seed=(params.seed + i) % 2**64))
                    for ids in prompts for i in range(body.n)]
         job = Job(choices, asyncio.get_running_loop(), arrival)
+        if echo is not None and params.logprobs is not None:
+            job.score_prompts, job.score_top = prompts, params.logprobs
         self.worker.submit(job)
         first = await job.events.get()
         if isinstance(first, Failed):
@@ -248,7 +234,8 @@ class Server:
         reply = Reply.new(chat, self.model_id)
         prompt_tokens = sum(len(ids) for ids in prompts)
         # choice i answers prompt i // n: it echoes that prompt
-        echoed = None if echoes is None else [echoes[i // body.n] for i in range(len(choices))]
+        echoed = None if echo is None else \
+            [(echo[i // body.n], job.scores[i // body.n] if job.scores else None) for i in range(len(choices))]
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return _JobStream(stream_events(job, reply, prompt_tokens, include_usage, echoed),

@@ -78,6 +78,11 @@ class Job:
     arrival: float  # time.perf_counter() when the HTTP request came in
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     requests: list[Request] = field(default_factory=list)
+    # echo with logprobs: score these prompts (with this many alternatives) before generating;
+    # the engine thread fills ``scores`` (one list per prompt) before it sends Accepted
+    score_prompts: list[list[int]] = field(default_factory=list)
+    score_top: int = 0
+    scores: list[list[TokenLogprobs]] = field(default_factory=list)
 
     def send(self, event: Event) -> None:
         """Hand an event to the event loop (from the engine thread): the loop runs the put."""
@@ -209,6 +214,12 @@ class EngineWorker:
 
     def _add(self, job: Job) -> None:
         try:
+            decode = self.engine.tokenizer.decode_bytes
+            for ids in job.score_prompts:  # (on this thread: the engine's model is used by no other)
+                scored = self.engine.score(ids, job.score_top)
+                job.scores.append([TokenLogprobs.of(t, None if lp is None else lp.logprob,
+                                                    () if lp is None else lp.top, decode)
+                                   for t, lp in zip(ids, scored)])
             for prompt_ids, params in job.choices:
                 job.requests.append(self.engine.add_request(prompt_ids, params))
         except (TypeError, ValueError) as err:  # the engine's own checks: token ids, the KV pool's size
