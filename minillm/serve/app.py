@@ -52,9 +52,10 @@ from minillm.serve.protocol import (
     refuse_unsupported,
     validation_error,
 )
+from minillm.serve.responses import collect_events, stream_events
 from minillm.serve.security import Guard, Policy, is_loopback, page_headers, uvicorn_config
 from minillm.serve.shutdown import Drain, DrainMiddleware, SignalStop
-from minillm.serve.responses import collect_events, stream_events
+from minillm.serve.tools import ToolError, ToolPlan, render_calls, with_tools
 from minillm.serve.worker import EngineWorker, Failed, Job
 from minillm.structured import token_index
 
@@ -106,11 +107,15 @@ class Server:
         arrival = time.perf_counter()
         body = parse_body(ChatCompletionBody, await read_body(request, self.request_timeout))
         self._check(body)
-        prompt_ids = await run_in_threadpool(self._encode_chat, body.messages)
+        try:
+            tools = ToolPlan.parse(body.tools, body.tool_choice)
+        except ToolError as err:
+            raise ApiError(400, str(err), param=err.param) from err
+        prompt_ids = await run_in_threadpool(self._encode_chat, body.messages, tools)
         requested = body.max_completion_tokens or body.max_tokens
         max_tokens = requested if requested is not None else self.longest - len(prompt_ids)  # as long as it can
         self._check_fits(len(prompt_ids), max_tokens, "messages")
-        return await self._generate(request, body, [prompt_ids], max_tokens, arrival, chat=True)
+        return await self._generate(request, body, [prompt_ids], max_tokens, arrival, chat=True, tools=tools)
 
     async def completions(self, request: HttpRequest) -> Response:
         arrival = time.perf_counter()
@@ -176,9 +181,13 @@ class Server:
         pool = "" if self.longest == self.context else f" (the KV cache's size; the model's context is {self.context})"
         return f"This model's maximum context length is {self.longest} tokens{pool}"
 
-    def _encode_chat(self, messages: list[ChatMessage]) -> list[int]:
+    def _encode_chat(self, messages: list[ChatMessage], tools: ToolPlan | None = None) -> list[int]:
         # "developer" is OpenAI's newer name for the system role; chat templates know "system".
-        plain = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+        # An earlier call is shown as the JSON the model writes for one (``tools.render_calls``).
+        plain = [{"role": "system" if m.role == "developer" else m.role,
+                  "content": "\n".join(filter(None, [m.text(), render_calls(m.tool_calls or [])]))}
+                 for m in messages]
+        plain = with_tools(plain, tools)
         self._refuse_by_size(sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in plain), "messages")
         try:
             ids = self.tokenizer.apply_chat_template(plain, add_generation_prompt=True)
@@ -215,10 +224,11 @@ class Server:
 
     # -- generation
     async def _generate(self, request: HttpRequest, body: GenerationBody, prompts: list[list[int]],
-                        max_tokens: int, arrival: float, chat: bool, echo: list[str] | None = None) -> Response:
+                        max_tokens: int, arrival: float, chat: bool, echo: list[str] | None = None,
+                        tools: ToolPlan | None = None) -> Response:
         """Run the job; ``echo``: each prompt's text, to come back before its completion (with its
         tokens' log-probabilities, scored on the engine's thread, when logprobs are asked for)."""
-        params = body.sampling_params(max_tokens)
+        params = body.sampling_params(max_tokens, tools.response_format() if tools is not None else None)
         if params.response_format is not None:  # build the automaton here, not in the engine's thread
             await run_in_threadpool(self._grammar_index, params)
         # Choice i of a prompt's n draws from seed + i, as Engine.generate numbers them.
@@ -238,9 +248,10 @@ class Server:
             [(echo[i // body.n], job.scores[i // body.n] if job.scores else None) for i in range(len(choices))]
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return _JobStream(stream_events(job, reply, prompt_tokens, include_usage, echoed),
+            return _JobStream(stream_events(job, reply, prompt_tokens, include_usage, echoed, tools),
                               lambda: self.worker.abort(job))
-        return JSONResponse(await collect_events(job, reply, prompt_tokens, request, self.worker.abort, echoed))
+        return JSONResponse(await collect_events(job, reply, prompt_tokens, request, self.worker.abort, echoed,
+                                                 tools))
 
     # -- stopping (see ``shutdown``)
     async def shutdown(self, grace: float) -> None:

@@ -34,6 +34,7 @@ MAX_CHOICES = MAX_COMPLETIONS  # prompts x n of one request: each choice is an e
 MAX_MESSAGES = 4096  # messages in one chat request (each costs the chat template a loop turn)
 MAX_CONTENT_PARTS = 256  # text parts in one message's content
 MAX_PROMPT_IDS = 2**17  # token ids in one prompt (past every context minillm loads; the context is checked next)
+MAX_TOOL_CALLS = 64  # tool calls in one earlier assistant turn
 ECHO_CHARS = 100  # a user string quoted in an error message is cut to this many characters
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: as many as fit)
 # The engine's finish reasons in OpenAI's words: EOS and a stop string are both "stop".
@@ -109,10 +110,14 @@ class TextPart(_Body):
 
 
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Union[str, list[TextPart]]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextPart], None]  # None only for an assistant turn that called tools
+    tool_calls: Optional[Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOL_CALLS)]] = None
+    tool_call_id: Optional[str] = None  # a tool turn: the call it answers
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
@@ -155,7 +160,8 @@ class GenerationBody(_Body):
         """How many alternatives to report per token, or None for no logprobs at all."""
         return None
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, tool_format: dict[str, Any] | None = None) -> SamplingParams:
+        """The engine's parameters; ``tool_format``: the constraint of a required tool call."""
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) != 0:
                 raise ApiError(400, f"{name} is not supported: minillm's sampler has repetition_penalty "
@@ -163,8 +169,11 @@ class GenerationBody(_Body):
                                     "instead; send that field, or leave this one at 0", param=name,
                                code="unsupported_parameter")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if tool_format is not None and self.response_format not in (None, {"type": "text"}):
+            raise ApiError(400, "response_format cannot be combined with a required tool call: the call's "
+                                "arguments follow the tool's parameters", param="response_format")
         try:  # a schema or pattern outside what minillm supports is named here, before any work
-            response_format = ResponseFormat.parse(self.response_format)
+            response_format = ResponseFormat.parse(tool_format or self.response_format)
         except (TypeError, ValueError) as err:
             raise ApiError(400, f"response_format: {err}", param="response_format",
                            code="invalid_response_format") from err
@@ -183,6 +192,9 @@ class ChatCompletionBody(GenerationBody):
     max_completion_tokens: Optional[int] = Field(None, ge=1)  # the newer name of max_tokens
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: Optional[list[Any]] = None  # checked by minillm.serve.tools.ToolPlan.parse
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: Optional[bool] = None  # accepted: at most one call per turn either way
 
     def logprobs_count(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -227,8 +239,7 @@ class CompletionBody(GenerationBody):
 
 # OpenAI fields this server cannot honour, with the values that mean "not used".
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
-    "function_call": (None, "none", "auto"), "best_of": (None, 1), "suffix": (None, ""),
+    "functions": (None, []), "function_call": (None, "none", "auto"), "best_of": (None, 1), "suffix": (None, ""),
 }
 
 
@@ -279,7 +290,8 @@ class Reply:
                 **extra}
 
     def chunk(self, index: int, text: str | None = None, finish_reason: str | None = None,
-              role: bool = False, logprobs: list[TokenLogprobs] | None = None, offset: int = 0) -> dict[str, Any]:
+              role: bool = False, logprobs: list[TokenLogprobs] | None = None, offset: int = 0,
+              tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """One streamed chunk of choice ``index``; ``logprobs``, when asked for, are those of the
         tokens this chunk brings (``offset``: where its text starts in the choice's, for the legacy
         API's ``text_offset``)."""
@@ -287,6 +299,8 @@ class Reply:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if text is not None:
                 delta["content"] = text
+            if tool_calls:  # a streamed call: whole, in one delta (with its place in the list)
+                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
             choice = {"index": index, "delta": delta, "logprobs": self._logprobs(logprobs, offset),
                       "finish_reason": finish_reason}
             return self._object("chat.completion.chunk", [choice])
@@ -315,11 +329,16 @@ class Reply:
         return self._object("chat.completion.chunk" if self.chat else "text_completion", [], usage=usage)
 
     def response(self, texts: list[str], finish_reasons: list[str], usage: dict[str, int],
-                 logprobs: list[list[TokenLogprobs] | None] | None = None) -> dict[str, Any]:
+                 logprobs: list[list[TokenLogprobs] | None] | None = None,
+                 tool_calls: list[list[dict[str, Any]] | None] | None = None) -> dict[str, Any]:
         logprobs = logprobs or [None] * len(texts)
+        tool_calls = tool_calls or [None] * len(texts)
         if self.chat:
-            choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": self._logprobs(lp),
-                        "finish_reason": r} for i, (t, r, lp) in enumerate(zip(texts, finish_reasons, logprobs))]
+            choices = []
+            for i, (t, r, lp, calls) in enumerate(zip(texts, finish_reasons, logprobs, tool_calls)):
+                message = {"role": "assistant", "content": None, "tool_calls": calls} if calls else \
+                    {"role": "assistant", "content": t}
+                choices.append({"index": i, "message": message, "logprobs": self._logprobs(lp), "finish_reason": r})
             return self._object("chat.completion", choices, usage=usage)
         choices = [{"index": i, "text": t, "logprobs": self._logprobs(lp), "finish_reason": r}
                    for i, (t, r, lp) in enumerate(zip(texts, finish_reasons, logprobs))]

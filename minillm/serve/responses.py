@@ -3,6 +3,8 @@
 The worker sends each job ``Delta`` (new text, and the logprobs of the tokens behind it),
 ``Finished`` and ``Failed`` events; these two coroutines turn them into what the client reads.
 An echoed prompt (``echo`` on /v1/completions) comes first, as the start of each choice's text.
+With tools (``ToolPlan``), a choice's text is held until it ends: then it is either a tool call
+(``tool_calls``, finish reason "tool_calls") or, if it is not one, the text.
 """
 
 from __future__ import annotations
@@ -14,13 +16,14 @@ from typing import Any
 from starlette.requests import Request as HttpRequest
 
 from minillm.serve.protocol import ApiError, Reply, TokenLogprobs, sse, token_usage
+from minillm.serve.tools import ToolPlan
 from minillm.serve.worker import Delta, Failed, Finished, Job
 
 Echo = tuple[str, "list[TokenLogprobs] | None"]  # an echoed prompt's text and its tokens' logprobs
 
 
 async def stream_events(job: Job, reply: Reply, prompt_tokens: int, include_usage: bool,
-                        echoed: list[Echo] | None = None) -> AsyncIterator[str]:
+                        echoed: list[Echo] | None = None, tools: ToolPlan | None = None) -> AsyncIterator[str]:
     """The Server-Sent Events of one job: a role chunk per choice (chat) or its echoed prompt,
     the text as it comes, a chunk with each choice's finish reason, the usage if asked for, then
     ``[DONE]``."""
@@ -32,16 +35,30 @@ async def stream_events(job: Job, reply: Reply, prompt_tokens: int, include_usag
     for index, (text, entries) in enumerate(echoed or ()):
         yield sse(reply.chunk(index, text, logprobs=entries))
         offsets[index] = len(text)
+    held = [""] * len(job.choices)  # with tools: each choice's text, until it ends
+    held_logprobs: list[list[TokenLogprobs] | None] = [None] * len(job.choices)
     while finished < len(job.choices):
         event = await job.events.get()
-        if isinstance(event, Delta):
+        if isinstance(event, Delta) and tools is not None:
+            held[event.index] += event.text
+            held_logprobs[event.index] = _joined(held_logprobs[event.index], event.logprobs)
+        elif isinstance(event, Delta):
             yield sse(reply.chunk(event.index, event.text, logprobs=event.logprobs, offset=offsets[event.index]))
             offsets[event.index] += len(event.text)
         elif isinstance(event, Finished):
             finished += 1
             completion_tokens += event.completion_tokens
-            yield sse(reply.chunk(event.index, finish_reason=event.finish_reason, logprobs=event.logprobs or None,
-                                  offset=offsets[event.index]))
+            reason, logprobs = event.finish_reason, event.logprobs or None
+            if tools is not None:
+                logprobs = _joined(held_logprobs[event.index], event.logprobs)
+                calls = tools.calls(held[event.index]) if reason == "stop" else None
+                if calls:
+                    yield sse(reply.chunk(event.index, tool_calls=calls, logprobs=logprobs))
+                    reason, logprobs = "tool_calls", None
+                elif held[event.index]:
+                    yield sse(reply.chunk(event.index, held[event.index], logprobs=logprobs))
+                    logprobs = None
+            yield sse(reply.chunk(event.index, finish_reason=reason, logprobs=logprobs, offset=offsets[event.index]))
         elif isinstance(event, Failed):  # the status line is sent already: the error goes in the stream
             yield sse(event.error.body())
             break
@@ -51,8 +68,8 @@ async def stream_events(job: Job, reply: Reply, prompt_tokens: int, include_usag
     yield "data: [DONE]\n\n"
 
 async def collect_events(job: Job, reply: Reply, prompt_tokens: int, request: HttpRequest,
-                         abort: Callable[[Job], None],
-                         echoed: list[Echo] | None = None) -> dict[str, Any]:
+                         abort: Callable[[Job], None], echoed: list[Echo] | None = None,
+                         tools: ToolPlan | None = None) -> dict[str, Any]:
     """The whole answer of a non-streaming request; aborted if the client disconnects meanwhile."""
     n = len(job.choices)
     texts, reasons = [""] * n, ["length"] * n
@@ -64,8 +81,8 @@ async def collect_events(job: Job, reply: Reply, prompt_tokens: int, request: Ht
     try:
         while finished < n:
             event = await job.events.get()
-            if isinstance(event, (Delta, Finished)) and event.logprobs is not None:
-                logprobs[event.index] = (logprobs[event.index] or []) + event.logprobs
+            if isinstance(event, (Delta, Finished)):
+                logprobs[event.index] = _joined(logprobs[event.index], event.logprobs)
             if isinstance(event, Delta):
                 texts[event.index] += event.text
             elif isinstance(event, Finished):
@@ -78,7 +95,14 @@ async def collect_events(job: Job, reply: Reply, prompt_tokens: int, request: Ht
         watcher.cancel()
         if finished < n:
             abort(job)
-    return reply.response(texts, reasons, token_usage(prompt_tokens, completion_tokens), logprobs)
+    calls = [tools.calls(text) if tools is not None and reason == "stop" else None
+             for text, reason in zip(texts, reasons)]
+    reasons = ["tool_calls" if call else reason for call, reason in zip(calls, reasons)]
+    return reply.response(texts, reasons, token_usage(prompt_tokens, completion_tokens), logprobs, calls)
+
+
+def _joined(held: list[TokenLogprobs] | None, new: list[TokenLogprobs] | None) -> list[TokenLogprobs] | None:
+    return held if new is None else (held or []) + new
 
 
 async def _end_on_disconnect(request: HttpRequest, job: Job) -> None:

@@ -24,7 +24,7 @@ MESSAGES = [{"role": "user", "content": "the king"}]
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, tiny_tokenizer):
-    folder = tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny"), tiny_tokenizer, "llama", max_position_embeddings=512,
+    folder = tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny"), tiny_tokenizer, "llama", max_position_embeddings=2048,
                                 vocab_size=tiny_tokenizer.vocab_size)
     config_file = folder / "tokenizer_config.json"
     config = json.loads(config_file.read_text()) if config_file.exists() else {}
@@ -147,3 +147,66 @@ def test_echo_with_max_tokens_0_and_streamed(served, tiny):
     assert text == whole.choices[0].text and text.startswith("the king")
     with pytest.raises(openai.BadRequestError, match="only allowed with echo"):
         served.client.completions.create(model="tiny", prompt="the king", max_tokens=0)
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"]}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["utc", "local"]}}, "required": ["zone"]}}}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_a_required_tool_call_is_a_valid_call(served, choice):
+    reply = served.client.chat.completions.create(model="tiny", messages=MESSAGES, tools=[WEATHER, CLOCK],
+                                                  tool_choice=choice, max_tokens=120, temperature=0.7, seed=2)
+    message, finish = reply.choices[0].message, reply.choices[0].finish_reason
+    if finish == "length":  # the random model ran out of tokens inside the call: text, as OpenAI returns it
+        return
+    assert finish == "tool_calls" and message.content is None and len(message.tool_calls) == 1
+    call = message.tool_calls[0]
+    assert call.type == "function" and call.id.startswith("call_")
+    arguments = json.loads(call.function.arguments)
+    if isinstance(choice, dict):
+        assert call.function.name == "get_time" and arguments["zone"] in ("utc", "local")
+    elif call.function.name == "get_weather":
+        assert set(arguments) == {"city", "unit"} and arguments["unit"] in ("celsius", "fahrenheit")
+
+
+def test_a_streamed_tool_call_arrives_whole_and_the_conversation_goes_on(served):
+    choice = {"type": "function", "function": {"name": "get_time"}}
+    stream = served.client.chat.completions.create(model="tiny", messages=MESSAGES, tools=[WEATHER, CLOCK],
+                                                   tool_choice=choice, max_tokens=60, temperature=0, stream=True)
+    calls, finish, content = [], None, ""
+    for chunk in stream:
+        for c in chunk.choices:
+            calls += c.delta.tool_calls or []
+            content += c.delta.content or ""
+            finish = c.finish_reason or finish
+    assert finish == "tool_calls" and len(calls) == 1 and content == ""
+    call = calls[0]
+    history = MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": call.id, "type": "function", "function": {
+            "name": call.function.name, "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "12:00"}]
+    answer = served.client.chat.completions.create(model="tiny", messages=history, tools=[WEATHER, CLOCK],
+                                                   tool_choice="none", max_tokens=5, temperature=0)
+    assert answer.choices[0].message.tool_calls is None and answer.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": [WEATHER, WEATHER]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+                                                                              "patternProperties": {}}}}],
+      "tool_choice": "required"}, "response_format"),
+])
+def test_bad_tools_are_a_400_naming_the_field(served, body, param):
+    with pytest.raises(openai.BadRequestError) as caught:
+        served.client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, extra_body=body)
+    assert caught.value.body.get("param") == param
