@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -191,10 +191,10 @@ ADMIT_MISTAKES = [
     Mistake(wrong.admit_ignoring_seats, "the batch has at most max_batch_size rows, running ones included."),
 ]
 ADMIT_HINTS = [
-    "Walk the queue from the front with a running total of blocks and of rows; stop at the first request that "
-    "does not fit (no overtaking).",
-    "A request fits if rows + 1 <= max_batch_size and blocks + its blocks + (rows + 1) spare blocks <= "
-    "free_blocks, where its blocks = ceil(length / block_size) and rows counts the running ones too.",
+    ("Walk the queue from the front with a running total of blocks and of rows; stop at the first request that "
+    "does not fit (no overtaking)."),
+    ("A request fits if rows + 1 <= max_batch_size and blocks + its blocks + (rows + 1) spare blocks <= "
+    "free_blocks, where its blocks = ceil(length / block_size) and rows counts the running ones too."),
     "The one exception: when rows == 0 (nobody running, nobody admitted yet), admit the head whatever its size.",
 ]
 
@@ -260,8 +260,8 @@ PREEMPT_MISTAKES = [
 ]
 PREEMPT_HINTS = [
     "First count the rows that need a new block this step; if that is at most free_blocks, nobody is preempted.",
-    "A row needs a block when length % block_size == 0. Preempting a row removes its need and gives its "
-    "ceil(length / block_size) blocks back; repeat (recounting) until the step fits.",
+    ("A row needs a block when length % block_size == 0. Preempting a row removes its need and gives its "
+    "ceil(length / block_size) blocks back; repeat (recounting) until the step fits."),
     "Which row: the last of `lengths` (the newest), and never the only one left.",
 ]
 
@@ -279,7 +279,7 @@ def check_preempt(fn: Callable[[list[int], int, int], int], hint: int = 0) -> bo
 def my_generate_solution(runner: Any, prompts: list[list[int]], max_new_tokens: list[int],
                          max_batch_size: int) -> list[list[int]]:
     manager = runner.cache.manager
-    seq = lambda i: 50_000 + i  # noqa: E731  (request i is KV sequence 50000 + i)
+    seq = lambda i: 50_000 + i
     outputs: list[list[int]] = [[] for _ in prompts]
     waiting, running = deque(range(len(prompts))), []
 
@@ -321,13 +321,13 @@ def my_generate_solution(runner: Any, prompts: list[list[int]], max_new_tokens: 
 
 
 LOOP_HINTS = [
-    "Keep outputs[i] per request, a deque of waiting request indices and a list of running ones (oldest first). "
+    ("Keep outputs[i] per request, a deque of waiting request indices and a list of running ones (oldest first). "
     "Each step: admit + one prefill for the newcomers, retire, then preempt + reserve + one decode for all "
-    "running rows, retire.",
-    "Retire right after each forward (free the sequence, drop it from running), so its seat and blocks serve the "
-    "next admission. A newcomer takes its first token from its prefill's logits; decode feeds each row outputs[i][-1].",
-    "preempt(...) tells how many: pop them from the *end* of running, free their sequences, and appendleft them to "
-    "waiting. Re-admitted, a request prefills prompts[i] + outputs[i][:-1] and takes no token from that prefill.",
+    "running rows, retire."),
+    ("Retire right after each forward (free the sequence, drop it from running), so its seat and blocks serve the "
+    "next admission. A newcomer takes its first token from its prefill's logits; decode feeds each row outputs[i][-1]."),
+    ("preempt(...) tells how many: pop them from the *end* of running, free their sequences, and appendleft them to "
+    "waiting. Re-admitted, a request prefills prompts[i] + outputs[i][:-1] and takes no token from that prefill."),
 ]
 
 

@@ -284,7 +284,7 @@ def run_learner(fn: Callable[..., Any], s: Scenario, limit: int) -> tuple[Any, B
             return fn(runner, [list(p) for p in s.prompts], list(s.max_new), s.max_batch_size), None, runner
     except NotImplementedError:
         raise
-    except Exception as err:  # the learner's code may fail in any way: that is what we report
+    except Exception as err:  # noqa: BLE001  (the learner's code may fail in any way: that is what we report)
         return None, err, runner
 
 
