@@ -8,7 +8,9 @@ a parity check compares two separate readings of the same files.
 from __future__ import annotations
 
 import os
-from functools import cache
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,27 @@ def hf_gguf_tokenizer(gguf_path: Path | None = None) -> Any:
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
+@contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """Loading without transformers' progress bars. In a notebook each bar is a widget, and its
+    state stays in the saved notebook's metadata long after the bar is gone."""
+    import transformers.modeling_gguf_pytorch_utils as gguf_loader
+    from tqdm import tqdm
+    from transformers.utils import logging
+
+    was_on = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()  # transformers' own switch, for the bars drawn through it
+    converter_bar = gguf_loader.tqdm
+    # the GGUF converter calls tqdm.auto directly, past that switch: a silent bar for the load
+    gguf_loader.tqdm = partial(tqdm, disable=True)
+    try:
+        yield
+    finally:
+        gguf_loader.tqdm = converter_bar
+        if was_on:
+            logging.enable_progress_bar()
+
+
 @cache
 def hf_gguf_model(gguf_path: Path | None = None) -> Any:
     """transformers' own model read from the same GGUF file (float32, CPU, eval mode)."""
@@ -45,7 +68,8 @@ def hf_gguf_model(gguf_path: Path | None = None) -> Any:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     path = gguf_path or default_gguf_path()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    with _no_progress_bars():
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     return model.eval()
 
 
@@ -58,4 +82,5 @@ def hf_causal_lm(source: Path | None = None) -> Any:
     if source is None or source.suffix == ".gguf":
         return hf_gguf_model.__wrapped__(source)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    return AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32).eval()
+    with _no_progress_bars():
+        return AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32).eval()

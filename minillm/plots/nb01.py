@@ -10,7 +10,6 @@ import html
 import itertools
 import statistics
 from collections.abc import Sequence
-from typing import Any
 
 COLOURS = ["#fde2e4", "#d7eef7", "#e2f0cb", "#fff1c1", "#e8dff5"]
 
@@ -48,13 +47,3 @@ def token_html(pieces: Sequence[tuple[int, bytes]], caption: str) -> str:
         spans.append(f'<span title="id {i}" style="background:{COLOURS[k % len(COLOURS)]};'
                      f'color:#000;white-space:pre;font-family:monospace">{piece}</span>')
     return f'<div style="line-height:1.8">{caption}<br>{"".join(spans)}</div>'
-
-
-def live(widget: Any, picture_html: str) -> None:
-    """Show ``widget`` with ``picture_html`` as its stored picture, in ONE output: a trusted notebook
-    with a kernel draws the widget, any other viewer falls back to the picture (the widget's first view)."""
-    from IPython.display import display
-
-    bundle = widget._repr_mimebundle_()
-    bundle["text/html"] = picture_html
-    display(bundle, raw=True)

@@ -98,13 +98,3 @@ def side_by_side(text: str, tokenizers: dict[str, Any]) -> str:
         for name, t in tokenizers.items()
     )
     return f"<table>{rows}</table>"
-
-
-def live(widget: Any, picture_html: str) -> None:
-    """Show ``widget`` with ``picture_html`` as its stored picture, in ONE output: a trusted notebook
-    with a kernel draws the widget, any other viewer falls back to the picture (the widget's first view)."""
-    from IPython.display import display
-
-    bundle = widget._repr_mimebundle_()
-    bundle["text/html"] = picture_html
-    display(bundle, raw=True)

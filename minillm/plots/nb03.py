@@ -1,14 +1,11 @@
 """Drawing helpers of notebook 03 (attention).
 
 Each function takes what the notebook computed and draws it; none computes anything the lesson
-is about. ``sliders`` is the one widget helper: the figure at the sliders' first values is stored
-with the widget as one output, so a reader without a live kernel still sees the picture.
+is about. (The notebook's widget comes from :mod:`minillm.plots.widgets`.)
 """
 
 from __future__ import annotations
 
-import base64
-import io
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,35 +16,6 @@ def _plt() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
-
-
-def sliders(draw: Callable[..., Any], text: str, **controls: Any) -> None:
-    """Display ``ipywidgets.interactive(draw, **controls)`` as ONE output whose stored picture is the
-    figure at the controls' first values.
-
-    ``draw(**values)`` makes a figure (and returns it). In a live, trusted notebook the frontend
-    renders the widget and redraws as the sliders move; anywhere else (an untrusted notebook, a
-    static viewer) it falls back to the stored PNG of the first figure, described by ``text``.
-    """
-    import ipywidgets as widgets
-    from IPython.display import display
-
-    plt = _plt()
-    first: dict[str, str] = {}
-
-    def redraw(**values: Any) -> None:
-        fig = draw(**values)
-        if "png" not in first:  # the figure at the initial values: the stored picture
-            buffer = io.BytesIO()
-            fig.savefig(buffer, format="png", bbox_inches="tight")
-            first["png"] = base64.b64encode(buffer.getvalue()).decode("ascii")
-        plt.show()
-
-    widget = widgets.interactive(redraw, **controls)  # draws once, at the initial values
-    bundle = widget._repr_mimebundle_()
-    bundle["image/png"] = first["png"]
-    bundle["text/plain"] = f"[{text}: a widget, live in a trusted notebook with a running kernel]"
-    display(bundle, raw=True)
 
 
 def reach(moved: dict[str, torch.Tensor]) -> None:

@@ -1,7 +1,6 @@
 """Drawing helpers of notebook 04 (RoPE).
 
-Each function takes what the notebook computed and draws it. ``sliders`` (from notebook 03's
-module) shows a widget and its first figure as one output.
+Each function takes what the notebook computed and draws it.
 """
 
 from __future__ import annotations
@@ -12,10 +11,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-
-from minillm.plots.nb03 import sliders
-
-__all__ = ["context_extension", "long_range_decay", "pair_trails", "rotation", "sliders"]
 
 
 def _unit_circle(ax: Any) -> None:
@@ -67,7 +62,7 @@ def long_range_decay(distances: torch.Tensor, curves: dict[str, torch.Tensor], c
 
 def rotation(position: int, inv_freq: torch.Tensor, pairs: Sequence[int]) -> Any:
     """Section 6: each pair's unit vector at ``position``, with the trail of the positions before.
-    Returns the figure (for ``sliders``)."""
+    Returns the figure (for the notebook's slider)."""
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, len(pairs), figsize=(12, 2.8))
     for ax, pair in zip(axes, pairs):

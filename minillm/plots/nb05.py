@@ -1,14 +1,12 @@
 """Figures of notebook 05 (blocks): the norms' geometry, the block diagram, the residual stream,
-parameter shares (with their widget) and bytes per decode step.
+parameter shares (drawn for the notebook's widget) and bytes per decode step.
 
 Each function takes what the notebook computed and draws it; the numbers stay in the notebook.
 """
 
 from __future__ import annotations
 
-import base64
-import io
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -159,22 +157,6 @@ def param_breakdown_bars(models: Mapping[str, Mapping[str, int]], ax: Any = None
     if title:
         ax.set_title(title, fontsize=10, pad=22)
     return ax
-
-
-def widget_with_picture(widget: Any, draw: Callable[[], Any]) -> None:
-    """Display ``widget`` and a picture of its initial state as ONE output: a trusted notebook with a
-    live kernel shows the widget, any other view (untrusted, GitHub, nbviewer) shows the picture.
-    ``draw()`` returns the figure at the widget's initial values (without showing it)."""
-    from IPython.display import display
-
-    plt = _plt()
-    fig = draw()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", bbox_inches="tight")
-    plt.close(fig)
-    bundle = widget._repr_mimebundle_()
-    bundle["image/png"] = base64.b64encode(buffer.getvalue()).decode()
-    display(bundle, raw=True)
 
 
 def bytes_per_step(t: np.ndarray, weight_mb: float, kv_per_token: int, n_params: int, context: int) -> None:

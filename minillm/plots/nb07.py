@@ -6,7 +6,7 @@ a function draws, not when this module is imported.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -93,7 +93,7 @@ def kv_outgrows_gpu(config: Any, name: str, dtype: torch.dtype = torch.bfloat16)
 
 def budget_bar(config: Any, name: str, dtype_name: str, dtype: torch.dtype, batch: int, context: int) -> Any:
     """One bar: the weights plus the KV cache of ``batch`` x ``context`` tokens, against two GPU
-    sizes. Returns the figure (for :func:`interact_figure`), not shown."""
+    sizes. Returns the figure (for the notebook's widget), not shown."""
     import matplotlib.pyplot as plt
 
     budget = memory_budget(config, batch, context, dtype)
@@ -110,23 +110,3 @@ def budget_bar(config: Any, name: str, dtype_name: str, dtype: torch.dtype, batc
     ax.legend(loc="upper right", fontsize=8)
     plt.close(fig)  # shown by whoever asked for it, once
     return fig
-
-
-def interact_figure(draw: Callable[..., Any], **controls: Any) -> None:
-    """Controls, and under them the picture ``draw(**their values)`` returns, redrawn in place
-    whenever a control moves.
-
-    The picture is an ordinary image output (with a display id), so a notebook opened anywhere
-    shows it at the controls' initial values; in a trusted notebook with a live kernel the
-    controls replace it. (``ipywidgets.interact`` draws into an output *widget* instead, whose
-    picture only a live widget manager can show.)"""
-    import ipywidgets as widgets
-    from IPython.display import display
-
-    def values() -> dict[str, Any]:
-        return {name: control.value for name, control in controls.items()}
-
-    display(widgets.HBox(list(controls.values()), layout=widgets.Layout(flex_flow="row wrap")))
-    picture = display(draw(**values()), display_id=True)
-    for control in controls.values():
-        control.observe(lambda _change: picture.update(draw(**values())), names="value")

@@ -1,7 +1,7 @@
 """Notebook 08's figures (the paged KV cache): a contiguous reservation, a block pool, waste.
 
 Each function takes what the notebook computed and shows one figure (``paging_figure`` returns
-its figure for ``interact_figure``); matplotlib is imported when a function draws.
+its figure, for the notebook's widget); matplotlib is imported when a function draws.
 """
 
 from __future__ import annotations
@@ -9,10 +9,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
-
-from minillm.plots.nb07 import interact_figure
-
-__all__ = ["contiguous_reservation", "draw_pool", "interact_figure", "paging_figure", "waste_vs_block_size"]
 
 SEQ_COLORS = ["C0", "C1", "C2", "C4", "C5"]
 SCHEME_STYLES = {"contiguous batch, held to the end": ("C3", ":"), "contiguous per request, freed at its end": ("C3", "--"),

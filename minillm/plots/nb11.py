@@ -1,16 +1,14 @@
 """Notebook 11's figures (quantization): ceilings per format, quantization grids, the packed block
-layouts, error per layer, outlier channels, KL per position, speed against quality; and two
-display helpers, two sources side by side and a widget whose stored output is its picture.
+layouts, error per layer, outlier channels, KL per position, speed against quality; and
+two sources side by side.
 
 Each function takes what the notebook computed and draws it; matplotlib is imported on first use.
 """
 
 from __future__ import annotations
 
-import base64
 import html
-import io
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -166,31 +164,6 @@ def speed_vs_quality(rows: dict[str, dict[str, float]], chosen: str, floor: floa
     ax.set_title(f"{chosen}: {r['mb']:.0f} MB, {r['tok_s']:.0f} tok/s, KL {r['kl']:.4f}; "
                  "marker area ~ MB", fontsize=10)
     return fig
-
-
-def interact_with_picture(draw: Callable[..., Any], **controls: Any) -> None:
-    """``ipywidgets.interactive(draw, **controls)`` shown as ONE output that also carries the
-    picture at the controls' initial values: a trusted notebook shows the live widget (its own
-    copy of the figure redrawn on each change), an untrusted one or a static viewer the picture.
-    ``draw(**values)`` returns a matplotlib figure."""
-    import ipywidgets
-    from IPython.display import display
-
-    plt = _plt()
-
-    def show(**values: Any) -> None:
-        draw(**values)
-        plt.show()
-
-    widget = ipywidgets.interactive(show, **controls)
-    figure = draw(**{name: control.value for name, control in controls.items()})
-    png = io.BytesIO()
-    figure.savefig(png, format="png", bbox_inches="tight")
-    plt.close(figure)
-    bundle = widget._repr_mimebundle_()
-    bundle["image/png"] = base64.b64encode(png.getvalue()).decode()
-    bundle["text/plain"] = "(a widget: live in a trusted notebook; the picture shows its first setting)"
-    display(bundle, raw=True)
 
 
 def side_by_side(left: str, right: str, titles: tuple[str, str]) -> None:

@@ -1,18 +1,9 @@
-"""Notebook 12's figures: the block hash chain, the chunked-prefill timeline, latency under load.
-
-``interact_picture`` is the notebook's slider: an ``ipywidgets.interactive`` whose saved output
-also holds the picture at the slider's starting value, so that the notebook shows one consistent
-figure whether or not its widgets are live (see the function).
-"""
+"""Notebook 12's figures: the block hash chain, the chunked-prefill timeline, latency under load."""
 
 from __future__ import annotations
 
-import base64
-import io
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
-
-import ipywidgets as widgets
 
 from minillm.cache import BlockManager
 
@@ -45,39 +36,6 @@ def draw_chain(rows: Mapping[str, Sequence[int]], tok: Any, block_size: int, tit
     ax.set_title(title, fontsize=10)
     ax.axis("off")
     return fig
-
-
-class _Pictured(widgets.interactive):
-    """An ``interactive`` whose output bundle also carries a PNG of its starting picture."""
-
-    png = ""
-
-    def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
-        bundle = super()._repr_mimebundle_(**kwargs)
-        return {**bundle, "image/png": self.png} if self.png else bundle
-
-
-def interact_picture(draw: Callable[..., Any], **sliders: widgets.ValueWidget) -> widgets.interactive:
-    """Sliders that redraw ``draw(**values)`` (a function returning a matplotlib figure), shown as
-    ONE output: the widget view, and beside it in the same output a PNG of the figure at the
-    sliders' starting values. JupyterLab draws a saved widget only in a trusted notebook (``make
-    lab`` trusts them); elsewhere, or untrusted, it shows the best *safe* type of that output, the
-    PNG, rather than the ``interactive(children=...`` text: either way, the picture matches the
-    slider. Display the result (the last expression of a cell)."""
-    import matplotlib.pyplot as plt
-
-    start = draw(**{name: slider.value for name, slider in sliders.items()})
-    buffer = io.BytesIO()
-    start.savefig(buffer, format="png", bbox_inches="tight")
-    plt.close(start)
-
-    def show(**values: Any) -> None:
-        draw(**values)
-        plt.show()
-
-    box = _Pictured(show, **sliders)
-    box.png = base64.b64encode(buffer.getvalue()).decode("ascii")
-    return box
 
 
 def stall_timeline(runs: Mapping[str, Mapping[str, Any]]) -> Any:
