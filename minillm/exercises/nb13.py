@@ -249,11 +249,9 @@ def _grammar(pattern: str) -> GrammarState:
     return GrammarState(index)
 
 
-def package_masked_probs(logits: torch.Tensor, allowed: torch.Tensor, temperature: float, top_k: int,
-                         patterns: tuple[str, ...]) -> torch.Tensor:
-    """The package's path: ``apply_grammar`` (as ``sample_batch`` calls it), then the processors."""
-    grammars = [_grammar(p) for p in patterns]
-    assert all(torch.equal(torch.from_numpy(g.allowed()), a) for g, a in zip(grammars, allowed))
+def package_masked_probs(logits: torch.Tensor, grammars: list[GrammarState], temperature: float,
+                         top_k: int) -> torch.Tensor:
+    """The package's path: ``apply_grammar`` on every row (as ``sample_batch`` calls it), then the processors."""
     masked = apply_grammar(logits, list(range(len(grammars))), grammars)
     params = SamplingParams(temperature=temperature, top_k=top_k)
     return filtered_distribution(masked, torch.empty(len(grammars), 0, dtype=torch.long), params)
@@ -289,8 +287,9 @@ def mask_cases() -> list[tuple[tuple, torch.Tensor]]:
     for temperature, top_k in ((1.0, 3), (0.7, 2), (1.5, 5)):
         logits = torch.randn(len(MASK_PATTERNS), 26, generator=g) * 3
         logits[:, 10:16] += 4.0  # letters the grammars mostly forbid are the model's favourites
-        allowed = torch.stack([torch.from_numpy(_grammar(p).allowed()) for p in MASK_PATTERNS])
-        want = package_masked_probs(logits, allowed, temperature, top_k, tuple(MASK_PATTERNS))
+        grammars = [_grammar(p) for p in MASK_PATTERNS]
+        allowed = torch.stack([torch.from_numpy(g.allowed()) for g in grammars])
+        want = package_masked_probs(logits, grammars, temperature, top_k)
         cases.append(((logits, allowed, temperature, top_k), want))
     return cases
 
