@@ -129,10 +129,12 @@ class TokenIndex:
         if bad := [i for i in eos if not 0 <= i < trie.vocab_size]:
             raise ValueError(f"eos id {bad[0]} is outside the vocabulary (0..{trie.vocab_size - 1})")
         self.eos_ids = np.array(sorted(eos), dtype=np.int64)
+        self.eos_set = frozenset(eos)
         self._node_class = dfa.byte_class[trie.byte]
         self._eos_in_trie = np.isin(trie.token_ids, self.eos_ids)  # (an eos id that is an ordinary token)
         self._dtype = np.int16 if dfa.n_states < 2**15 else np.int32
-        self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
+        # state -> (the state after each token, the allowed mask): both read every step, so both kept
+        self._cache: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
         self.explored = 0  # how many times a state was walked (a cache miss)
 
     @property
@@ -148,6 +150,13 @@ class TokenIndex:
 
     def next_states(self, state: int) -> np.ndarray:
         """The state after each token id from ``state`` (``DEAD`` where the token is not allowed)."""
+        return self._explored(state)[0]
+
+    def allowed(self, state: int) -> np.ndarray:
+        """Boolean mask [vocab_size] of the tokens allowed in ``state`` (read-only)."""
+        return self._explored(state)[1]
+
+    def _explored(self, state: int) -> tuple[np.ndarray, np.ndarray]:
         found = self._cache.get(state)
         if found is not None:
             self._cache.move_to_end(state)
@@ -160,16 +169,13 @@ class TokenIndex:
             out[self.trie.token_ids] = ends
             if self.dfa.accepting[state]:
                 out[self.eos_ids] = state
-        out.flags.writeable = False
+        allowed = out != DEAD
+        out.flags.writeable = allowed.flags.writeable = False
         self.explored += 1
-        self._cache[state] = out
+        self._cache[state] = (out, allowed)
         if len(self._cache) > MAX_CACHED_STATES:
             self._cache.popitem(last=False)
-        return out
-
-    def allowed(self, state: int) -> np.ndarray:
-        """Boolean mask [vocab_size] of the tokens allowed in ``state``."""
-        return self.next_states(state) != DEAD
+        return out, allowed
 
     def allowed_ids(self, state: int) -> np.ndarray:
         return np.flatnonzero(self.next_states(state))

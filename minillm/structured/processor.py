@@ -77,14 +77,14 @@ class GrammarState:
     def advance(self, token_id: int) -> None:
         """Move past ``token_id``; a ValueError if the grammar does not allow it."""
         if self.finished:
-            if int(token_id) in self.index.eos_ids.tolist():
+            if int(token_id) in self.index.eos_set:
                 return
             raise ValueError(f"token {token_id} after the end of the constrained output")
         nxt = self.index.next_state(self.state, int(token_id))
         if nxt == DEAD:
             raise ValueError(f"token {token_id} is not allowed by the grammar in state {self.state}")
         self._history.append((self.state, self.finished))
-        self.finished = int(token_id) in self.index.eos_ids.tolist()
+        self.finished = int(token_id) in self.index.eos_set
         self.state = nxt
 
     def rollback(self, n: int = 1) -> None:
@@ -108,13 +108,12 @@ def grammar_mask(grammars: Sequence[GrammarState], vocab: int, device: torch.dev
     """The allowed tokens of each state, as a bool tensor [len(grammars), vocab] on ``device``.
 
     ``vocab`` is the width of the logits, which may exceed the tokenizer's vocabulary (models
-    pad their embedding to a multiple of 64 or 128): the ids past it are never allowed.
+    pad their embedding to a multiple of 64 or 128): the ids past it are never allowed. Each
+    state's mask is cached by its index, so a step costs one stack and one copy.
     """
-    rows = np.zeros((len(grammars), vocab), dtype=bool)
-    for i, grammar in enumerate(grammars):
-        mask = grammar.allowed()
-        width = min(vocab, len(mask))
-        rows[i, :width] = mask[:width]
+    rows = np.stack([grammar.allowed() for grammar in grammars]) if grammars else np.zeros((0, vocab), dtype=bool)
+    if rows.shape[1] != vocab:
+        rows = np.pad(rows[:, :vocab], ((0, 0), (0, max(0, vocab - rows.shape[1]))))
     return torch.from_numpy(rows).to(device)
 
 
@@ -127,6 +126,8 @@ def apply_grammar(scores: torch.Tensor, rows: Sequence[int], grammars: Sequence[
     if not rows:
         return scores
     allowed = grammar_mask(grammars, scores.shape[-1], scores.device)
+    if list(rows) == list(range(scores.shape[0])):  # every row constrained: one op, no gather
+        return scores.masked_fill(~allowed, -math.inf)
     index = torch.tensor(list(rows), dtype=torch.long, device=scores.device)
     out = scores.clone()
     out[index] = out[index].masked_fill(~allowed, -math.inf)
