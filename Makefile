@@ -69,6 +69,7 @@ bench: setup
 	$(PYTHON) -m minillm bench load
 	$(PYTHON) -m minillm bench quant  # with llama.cpp as a peer once `make bench-peers` has built it
 	$(PYTHON) -m minillm bench scheduler
+	$(PYTHON) -m minillm bench structured  # constrained vs free decoding; outlines-core's index build if installed
 	$(PYTHON) -m minillm bench serve  # minillm serve vs transformers serve over HTTP (a few minutes)
 
 # llama.cpp on the same GGUF, for `bench quant`: llama-cpp-python builds from source (~15 min on

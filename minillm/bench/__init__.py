@@ -26,6 +26,7 @@ from minillm.bench import (
     quant,
     scheduler,
     serve,
+    structured,
     tokenizer,
 )
 from minillm.bench.batching import BATCH_PROMPTS, bench_batching, print_batching_report
@@ -80,6 +81,7 @@ BENCHMARKS: dict[str, tuple[Callable[[argparse.Namespace], dict[str, Any]], Call
     "quant": (quant.run, print_quant_report),
     "scheduler": (scheduler.run, print_scheduler_report),
     "serve": (serve.run, print_serve_report),
+    "structured": (structured.run, structured.print_structured_report),
     "gpu": (gpu.run, gpu.print_gpu_report),
 }
 

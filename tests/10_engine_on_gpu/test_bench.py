@@ -27,7 +27,20 @@ def test_the_package_keeps_every_name_it_is_imported_by():
     missing = [name for name in NAMES if not hasattr(bench, name)]
     assert not missing
     assert set(bench.BENCHMARKS) == {"model", "cpu", "tokenizer", "cache", "batching", "context", "latency", "load",
-                                     "quant", "scheduler", "serve", "gpu"}
+                                     "quant", "scheduler", "serve", "structured", "gpu"}
+
+
+def test_bench_structured_reports_both_batches_and_a_missing_peer(capsys):
+    from minillm.bench.structured import print_structured_report
+
+    print_structured_report({"weights": "native", "backend": "packed-cpu", "new_tokens": 64,
+                             "b1_free_tok_s": 100.0, "b1_constrained_tok_s": 97.0, "b1_ratio_range": (0.95, 0.99),
+                             "b8_free_tok_s": 300.0, "b8_constrained_tok_s": 291.0, "b8_ratio_range": (0.96, 0.98),
+                             "index_first_state_s": 0.4, "index_all_states_s": 2.9, "index_states": 4536,
+                             "outlines_core_index_s": None})
+    out = capsys.readouterr().out
+    assert "batch 1: 97.0 tok/s constrained vs 100.0 free: 0.95-0.99x" in out
+    assert "batch 8" in out and "4536 states" in out and "outlines-core not installed" in out
 
 
 def test_peers_take_turns_and_each_keeps_every_round():
