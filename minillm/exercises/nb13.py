@@ -288,7 +288,7 @@ def mask_cases() -> list[tuple[tuple, torch.Tensor]]:
         logits = torch.randn(len(MASK_PATTERNS), 26, generator=g) * 3
         logits[:, 10:16] += 4.0  # letters the grammars mostly forbid are the model's favourites
         grammars = [_grammar(p) for p in MASK_PATTERNS]
-        allowed = torch.stack([torch.from_numpy(g.allowed()) for g in grammars])
+        allowed = torch.from_numpy(np.stack([g.allowed() for g in grammars]))
         want = package_masked_probs(logits, grammars, temperature, top_k)
         cases.append(((logits, allowed, temperature, top_k), want))
     return cases

@@ -63,7 +63,7 @@ def test_one_call_masks_exactly_the_constrained_rows(smol):
     assert torch.equal(logits, before)  # the input is not modified
     assert torch.equal(out[[0, 2]], logits[[0, 2]])  # free rows untouched, bit for bit
     for row, state in ((1, digits), (3, words)):
-        allowed = torch.from_numpy(state.allowed())
+        allowed = torch.from_numpy(state.allowed().copy())  # (the index keeps its masks read-only)
         kept = torch.isfinite(out[row])
         assert torch.equal(kept[: smol.vocab_size], allowed) and not kept[smol.vocab_size :].any()
         assert torch.equal(out[row][kept], logits[row][kept])
@@ -74,7 +74,7 @@ def test_the_mask_matches_the_index_and_pads_the_width(smol):
     state = GrammarState(token_index(r"[a-c]+", smol))
     mask = grammar_mask([state, state], smol.vocab_size + 10)
     assert mask.dtype == torch.bool and mask.shape == (2, smol.vocab_size + 10)
-    assert torch.equal(mask[0, : smol.vocab_size], torch.from_numpy(state.index.allowed(state.state)))
+    assert torch.equal(mask[0, : smol.vocab_size], torch.from_numpy(state.index.allowed(state.state).copy()))
     assert not mask[:, smol.vocab_size :].any()
 
 
