@@ -20,7 +20,7 @@ the layers from the bottom, each with the first name after ``minillm.`` of the m
 * ``engine``: requests, scheduling and the loop that runs the model (notebooks 10, 12), and
   ``generate``, the plain greedy loops the course runs before the engine exists: both drive
   model + cache + tokenizer.
-* ``apps``: ``serve`` and ``bench``, built on the engine, and ``reference``, the HF
+* ``apps``: ``serve``, ``bench`` and ``demo``, built on the engine, and ``reference``, the HF
   transformers/tokenizers yardstick that benchmarks and tests compare against. ``reference``
   only reads ``assets``, but it belongs with the tools that measure minillm (``bench``
   imports it, so it cannot sit above them), and no part of the engine may lean on transformers.
@@ -71,7 +71,7 @@ LAYERS = {
     "model": ("model",),
     "sampling": ("sampling",),
     "engine": ("engine", "generate"),
-    "apps": ("serve", "bench", "reference"),
+    "apps": ("serve", "bench", "reference", "demo"),
     "top": ("__main__", "__init__", "exercises", "plots"),
 }
 
