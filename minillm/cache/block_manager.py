@@ -94,6 +94,12 @@ class BlockAllocator:
         self.ref_counts[block] += 1
         return block
 
+    def unkey(self, block: int) -> None:
+        """Forget ``block``'s prefix key (its contents are about to change)."""
+        key = self.key_of.pop(block, None)
+        if key is not None:
+            del self.block_of[key], self.contents[block]
+
     def share(self, block: int) -> None:
         """One more holder of an allocated block."""
         if self.ref_counts[block] == 0:
@@ -198,6 +204,25 @@ class BlockManager:
         for block in self.table(seq_id):
             self.allocator.free(block)
         del self.block_tables[seq_id], self.lengths[seq_id], self.keys[seq_id]
+
+    def truncate(self, seq_id: int, length: int) -> None:
+        """Roll ``seq_id`` back to its first ``length`` tokens (speculative decoding's rejected
+        tokens): the blocks past them return to the pool, nothing is copied, and the block left
+        partly full loses its prefix key if this sequence alone holds it (its tail will be written
+        again; a shared one keeps its key and is copied on the next write, as ``reserve`` does)."""
+        table = self.table(seq_id)
+        if not 0 <= length <= self.lengths[seq_id]:
+            raise ValueError(f"cannot truncate sequence {seq_id} of {self.lengths[seq_id]} tokens to {length}")
+        keep = self.blocks_for_tokens(length)
+        for block in table[keep:]:
+            self.allocator.free(block)
+        del table[keep:]
+        self.lengths[seq_id] = length
+        full, keys = length // self.block_size, self.keys[seq_id]
+        for block in table[full:len(keys)]:
+            if self.allocator.ref_counts[block] == 1:
+                self.allocator.unkey(block)
+        del keys[full:]
 
     def fork(self, parent: int, child: int) -> None:
         """The child starts as a copy of the parent, sharing every block (no data is copied)."""

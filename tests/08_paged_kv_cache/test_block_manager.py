@@ -39,7 +39,8 @@ prompts = st.lists(st.sampled_from([1, 2, 3]), min_size=1, max_size=14)
 
 
 @settings(max_examples=150, deadline=None)
-@given(ops=st.lists(st.tuples(st.sampled_from(["add", "grow", "free"]), prompts, st.integers(0, 7)), max_size=40),
+@given(ops=st.lists(st.tuples(st.sampled_from(["add", "grow", "speculate", "free"]), prompts, st.integers(0, 15)),
+                   max_size=40),
        num_blocks=st.integers(2, 12), block_size=st.integers(1, 4))
 def test_the_prefix_cache_bookkeeping_never_leaks_or_mixes_prefixes(ops, num_blocks, block_size):
     m = BlockManager(num_blocks, block_size, prefix_caching=True)
@@ -67,6 +68,18 @@ def test_the_prefix_cache_bookkeeping_never_leaks_or_mixes_prefixes(ops, num_blo
                 m.advance([seq], [1])
                 tokens[seq].append(prompt[0])
                 m.cache_full_blocks(seq, tokens[seq])
+        elif op == "speculate" and tokens:  # a verify step writes k drafted tokens, then keeps a prefix
+            seq = sorted(tokens)[n % len(tokens)]
+            k = 1 + n % 4
+            if m.can_reserve([seq], [k]):
+                m.reserve([seq], [k])
+                m.advance([seq], [k])
+                drafted = tokens[seq] + (list(prompt) * k)[:k]
+                m.cache_full_blocks(seq, drafted)
+                kept = len(tokens[seq]) + (n // 4) % (k + 1)
+                m.truncate(seq, kept)
+                tokens[seq] = drafted[:kept]
+                assert m.lengths[seq] == kept and len(m.block_tables[seq]) == math.ceil(kept / block_size)
         elif op == "free" and tokens:
             seq = sorted(tokens)[n % len(tokens)]
             m.free_sequence(seq)
@@ -75,6 +88,20 @@ def test_the_prefix_cache_bookkeeping_never_leaks_or_mixes_prefixes(ops, num_blo
     for seq in list(tokens):
         m.free_sequence(seq)
     assert m.allocator.num_free == num_blocks
+
+
+def test_truncate_frees_the_blocks_past_the_kept_tokens_and_refuses_growth():
+    m = BlockManager(8, 4)
+    m.add_sequence(0)
+    m.reserve([0], [10])
+    m.advance([0], [10])
+    assert len(m.block_tables[0]) == 3 and m.allocator.num_free == 5
+    m.truncate(0, 5)
+    assert m.lengths[0] == 5 and len(m.block_tables[0]) == 2 and m.allocator.num_free == 6
+    m.truncate(0, 0)
+    assert m.block_tables[0] == [] and m.allocator.num_free == 8
+    with pytest.raises(ValueError, match="cannot truncate sequence 0 of 0 tokens to 1"):
+        m.truncate(0, 1)
 
 
 def test_a_prompt_reuses_the_blocks_of_its_cached_prefix_and_computes_at_least_one_token():
