@@ -111,7 +111,7 @@ class PagedKVCache:
         return step
 
     def step(self, seq_ids: Sequence[int], q_lens: Sequence[int], pad_rows_to: int | None = None,
-             pad_width_to: int | None = None) -> PagedStep:
+             pad_width_to: int | None = None, every_logit: bool = False) -> PagedStep:
         """The step input for ``q_lens[i]`` new tokens of each sequence, whose blocks are already
         reserved and whose lengths do not count them yet: built on the host, in one go.
 
@@ -150,7 +150,8 @@ class PagedKVCache:
             write_offsets=tensor(write_offsets),
             block_tables=tensor(padded_tables),
             context_lens=tensor(context_lens),
-            logits_index=(ends - 1).to(self.device),
+            # each row's last token; with every_logit, every token (a speculative verify step)
+            logits_index=(torch.arange(int(ends[-1])) if every_logit else ends - 1).to(self.device),
             q_lens=None if all(n == 1 for n in q_lens) else q_lens + [1] * n_pad,
         )
 

@@ -58,6 +58,20 @@ class ModelRunner:
         return logits
 
     @torch.inference_mode()
+    def verify(self, seq_ids: Sequence[int], token_lists: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Like ``prefill``, with logits at *every* token, [total tokens, vocab]: a speculative
+        step feeds each row its last token and the drafted ones, and needs the target's
+        distribution after each (``BlockManager.truncate`` takes back the rejected ones)."""
+        lengths = [len(tokens) for tokens in token_lists]
+        if self.trace is not None:
+            self.trace.append(("verify", len(seq_ids)))
+        step = self.cache.step(seq_ids, lengths, every_logit=True)
+        token_ids = torch.tensor([t for tokens in token_lists for t in tokens], device=self.model.device)
+        logits = self.backend.prefill(token_ids, step)
+        self.cache.manager.advance(seq_ids, lengths)
+        return logits
+
+    @torch.inference_mode()
     def decode(self, seq_ids: Sequence[int], tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
         """One step for rows whose sequences already hold room for one more token: feed
         ``tokens[i]`` to ``seq_ids[i]``; return logits [len(seq_ids), vocab]."""
