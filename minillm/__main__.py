@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
                                help="the output must be JSON valid against the JSON Schema in FILE")
         constrain.add_argument("--json-object", action="store_true", help="the output must be a JSON object")
         sub.add_argument("--logprobs", type=int, default=None, metavar="K",
-                         help="with --json: each token's log-probability and its K best alternatives (0-20)")
+                         help="generate --json: each token's log-probability and its K best alternatives (0-20)")
 
     gen = commands.add_parser("generate", help="complete prompts with a real model")
     gen.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")

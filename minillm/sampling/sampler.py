@@ -225,7 +225,7 @@ def _why_unusable(logits: torch.Tensor, state: SamplingState) -> str:
     if torch.isnan(logits).any():
         return f"the model's logits hold NaN ({int(torch.isnan(logits).sum())} of {logits.numel()})"
     if torch.isneginf(logits).all():
-        return "no token has a finite score: every logit is -inf (not finite)"
+        return "the scores are not finite: every logit is -inf, so no token can be drawn"
     if state.grammar is not None and state.grammar.is_dead_end:
         return (f"no token of the vocabulary can continue the output under its response_format "
                 f"(grammar {state.grammar})")
