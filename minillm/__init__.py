@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from minillm.lazy import lazy_exports
 
 if TYPE_CHECKING:  # the same names, for type checkers and editors
-    from minillm.engine import Completion, Engine
+    from minillm.engine import Completion, DraftModel, Engine, PromptLookup
     from minillm.errors import FileFormatError, MinillmError
     from minillm.model import ModelConfig, Transformer, load_model, validate
     from minillm.sampling import SamplingParams
@@ -27,10 +27,12 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
 __getattr__, __dir__ = lazy_exports(__name__, {
     "BatchEncoding": "tokenizer",
     "Completion": "engine",
+    "DraftModel": "engine",
     "Engine": "engine",
     "FileFormatError": "errors",
     "MinillmError": "errors",
     "ModelConfig": "model",
+    "PromptLookup": "engine",
     "SamplingParams": "sampling",
     "StreamingDetokenizer": "tokenizer",
     "Tokenizer": "tokenizer",

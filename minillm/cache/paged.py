@@ -111,13 +111,19 @@ class PagedKVCache:
         return step
 
     def step(self, seq_ids: Sequence[int], q_lens: Sequence[int], pad_rows_to: int | None = None,
-             pad_width_to: int | None = None, every_logit: bool = False) -> PagedStep:
+             pad_width_to: int | None = None, row_per_token: bool = False) -> PagedStep:
         """The step input for ``q_lens[i]`` new tokens of each sequence, whose blocks are already
         reserved and whose lengths do not count them yet: built on the host, in one go.
 
         ``pad_rows_to`` adds dummy decode rows (position 0, written to the scratch block) and
         ``pad_width_to`` widens the block tables (with the scratch block), for a step whose
-        shapes must not change (a CUDA graph bucket)."""
+        shapes must not change (a CUDA graph bucket).
+
+        ``row_per_token`` shapes it as a decode step with a row for *every* token: each row has
+        its sequence's block table and its own length (its position + 1), and gets logits. A
+        step writes every row's key and value before any row attends, so a row sees the tokens
+        before it in its sequence and itself: this is how a speculative step verifies a
+        sequence's drafted tokens in the engine's one decode step."""
         seq_ids, q_lens = list(seq_ids), list(q_lens)
         bs = self.block_size
         starts = [self.lengths[s] for s in seq_ids]
@@ -132,11 +138,16 @@ class PagedKVCache:
                 write_blocks.append(table[p // bs])
                 write_offsets.append(p % bs)
         padded_tables = [t + [self.scratch_block] * (width - len(t)) for t in tables]
+        context_lens = [s + n for s, n in zip(starts, q_lens)]
+        if row_per_token:  # (then padding adds rows to the tokens, not to the sequences)
+            padded_tables = [table for table, n in zip(padded_tables, q_lens) for _ in range(n)]
+            context_lens, q_lens = [p + 1 for p in positions], [1] * len(positions)
+            n_pad = 0 if pad_rows_to is None else pad_rows_to - len(positions)
         padded_tables += [[self.scratch_block] * width] * n_pad
         positions += [0] * n_pad
         write_blocks += [self.scratch_block] * n_pad
         write_offsets += [0] * n_pad
-        context_lens = [s + n for s, n in zip(starts, q_lens)] + [1] * n_pad
+        context_lens += [1] * n_pad
         ends = torch.tensor(q_lens + [1] * n_pad, dtype=torch.long).cumsum(0)
 
         def tensor(values: list) -> torch.Tensor:
@@ -150,8 +161,7 @@ class PagedKVCache:
             write_offsets=tensor(write_offsets),
             block_tables=tensor(padded_tables),
             context_lens=tensor(context_lens),
-            # each row's last token; with every_logit, every token (a speculative verify step)
-            logits_index=(torch.arange(int(ends[-1])) if every_logit else ends - 1).to(self.device),
+            logits_index=(ends - 1).to(self.device),  # each row's last token
             q_lens=None if all(n == 1 for n in q_lens) else q_lens + [1] * n_pad,
         )
 

@@ -8,8 +8,10 @@ from minillm.lazy import lazy_exports
 
 __getattr__, __dir__ = lazy_exports(__name__, {
     "Completion": "request",
+    "DraftModel": "draft",
     "Engine": "engine",
     "ModelRunner": "runner",
+    "PromptLookup": "speculation",
     "ScheduledBatch": "scheduler",
     "Scheduler": "scheduler",
     "SequenceGroup": "sequence",

@@ -21,19 +21,24 @@ where it started and the engine keeps serving.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterator, Sequence
 
 import torch
 
 from minillm.cache import BlockManager, PagedKVCache
 from minillm.engine.beam import BeamSearch
+from minillm.engine.draft import DraftModel, make_proposer
 from minillm.engine.request import Completion, Request
 from minillm.engine.runner import ModelRunner
 from minillm.engine.scheduler import ScheduledBatch, Scheduler
 from minillm.engine.scoring import prompt_logprobs
+from minillm.engine.speculation import MAX_SPECULATIVE_TOKENS, Drafts, PromptLookup, Proposer, SpeculationStats, Speculator
+from minillm.engine.tokens import take_tokens
 from minillm.errors import GenerationError
 from minillm.model.llama import Transformer
-from minillm.sampling import NO_TOKEN, SamplingParams, SamplingState, TokenLogprob, make_generator, sample_batch
+from minillm.sampling.speculative import Acceptance
+from minillm.sampling import SamplingParams, SamplingState, TokenLogprob, make_generator
 from minillm.structured import GrammarState, token_index
 from minillm.tokenizer import Tokenizer
 
@@ -103,6 +108,15 @@ class Engine:
             prefill"): a long prompt is prefilled over several steps, each also decoding the
             running requests, so it cannot stall their streams for its whole length. None (the
             default) prefills every admitted prompt whole, in one forward.
+        speculative: speculative decoding for every request (``SamplingParams(speculative=False)``
+            opts one out): "prompt-lookup" (drafts copied from the prompt and the answer),
+            "draft:PATH" (a smaller model with the same tokenizer drafts; "draft:" alone: the
+            default model), or a proposer object (``minillm.DraftModel(model)``). None (the
+            default): only requests that ask (``speculative=True``) speculate, by prompt lookup.
+        num_speculative_tokens: the most drafts a request verifies per step.
+        adaptive_speculation: verify only as many drafts as pay, by the measured cost of a step
+            and each request's acceptance rate (``speculation.py``); False: always up to
+            ``num_speculative_tokens`` (to measure a fixed k).
     """
 
     def __init__(
@@ -117,6 +131,9 @@ class Engine:
         backend: str | None = None,
         prefix_caching: bool = False,
         prefill_chunk_tokens: int | None = None,
+        speculative: str | Proposer | None = None,
+        num_speculative_tokens: int = 4,
+        adaptive_speculation: bool = True,
     ) -> None:
         max_batch_size = _positive_int("max_batch_size", max_batch_size, MAX_BATCH_SIZE)
         if prefill_chunk_tokens is not None:
@@ -144,11 +161,22 @@ class Engine:
         self.eos_ids = frozenset(eos_ids if eos_ids is not None else default_eos)
         self.scheduler = Scheduler(self.cache.manager, max_batch_size, prefill_chunk_tokens)
         self._next_seq_id = 0
+        k = _positive_int("num_speculative_tokens", num_speculative_tokens, MAX_SPECULATIVE_TOKENS)
+        proposer = PromptLookup() if speculative is None else make_proposer(speculative, tokenizer, model.device)
+        if isinstance(proposer, DraftModel):
+            proposer.bind(model.config.vocab_size, num_blocks * block_size, block_size)
+        self.speculator = Speculator(proposer, k, bool(adaptive_speculation))
+        self.speculates_by_default = speculative is not None
 
     @property
     def backend(self) -> str:
         """The backend that runs this engine's steps: "eager", "compiled" or "packed-cpu"."""
         return self.runner.backend.name
+
+    @property
+    def speculation_stats(self) -> SpeculationStats:
+        """Speculative decoding so far: verifications, drafts proposed and accepted."""
+        return self.speculator.stats
 
     @property
     def manager(self) -> BlockManager:
@@ -301,6 +329,8 @@ class Engine:
         request = Request(self._new_seq_id(), _as_text(prompt, self.tokenizer), prompt_ids, params, self.tokenizer, self.eos_ids, sampling)
         if params.max_new_tokens == 0:
             request.finish_reason = "length"
+        if params.speculative or (params.speculative is None and self.speculates_by_default):
+            request.acceptance = Acceptance()
         return request
 
     def _grammar(self, params: SamplingParams) -> GrammarState | None:
@@ -340,10 +370,14 @@ class Engine:
         """
         events: list[tuple[Request, str]] = []
         try:
-            for schedule in (self.scheduler.schedule_prefill, self.scheduler.schedule_decode):
-                batch = schedule()
+            for phase in ("prefill", "decode"):
+                if phase == "prefill":
+                    batch, drafts = self.scheduler.schedule_prefill(), {}
+                else:  # (a speculating request's drafts make it a verify step)
+                    drafts = self.speculator.drafts(self.running, self.model.config.max_position_embeddings)
+                    batch = self.scheduler.schedule_decode({s: d.tokens for s, d in drafts.items()})
                 if batch.seq_ids:
-                    events += self._forward(batch)
+                    events += self._forward(batch, drafts)
                 self.scheduler.postprocess()
         except BaseException:
             for unit in [p.unit for p in self.prefilling] + self.running:
@@ -351,19 +385,26 @@ class Engine:
             raise
         return events
 
-    def _forward(self, batch: ScheduledBatch) -> list[tuple[Request, str]]:
+    def _forward(self, batch: ScheduledBatch, drafts: dict[int, Drafts]) -> list[tuple[Request, str]]:
         """Run one planned forward, then give each unit that takes a step its logits rows: the
-        requests' rows go through one batched sampler call, a beam search's through its search."""
+        requests' rows go through the sampler, a beam search's through its search."""
         self.cache.copy_blocks(batch.copies)
+        start = time.perf_counter()
         if batch.is_prefill:
             logits = self.runner.prefill(batch.seq_ids, batch.token_ids)
+        elif batch.verifies:
+            logits = self.runner.verify(batch.seq_ids, batch.token_ids)
         else:
-            logits = self.runner.decode(batch.seq_ids, [token for token, in batch.token_ids])
+            logits = self.runner.decode(batch.seq_ids, [tokens[0] for tokens in batch.token_ids])
+        if not batch.is_prefill:
+            self.speculator.costs.record(len(logits), time.perf_counter() - start)
         self.scheduler.mark_computed(batch)
-        sampled = [(unit, rows.start) for unit, rows in batch.outputs if unit.params.num_beams == 1]
-        rows = [row for _, row in sampled]  # (beams, or prompts not complete yet, in the batch: gather
-        logits_sampled = logits if rows == list(range(len(logits))) else logits[rows]  # 192 KB a row, only when needed)
-        events = self._sample([request for request, _ in sampled], logits_sampled)
+        sampled = [(unit, rows) for unit, rows in batch.outputs if unit.params.num_beams == 1]
+        events = take_tokens(sampled, logits, drafts if batch.verifies else {}, self.speculator)
+        for request, _ in sampled:
+            if request.seq_id in drafts and batch.verifies and not request.finished:
+                # the cache keeps the accepted tokens; the last one is fed next step
+                self.scheduler.rollback(request, request.seq_id, len(request.all_ids) - 1)
         for unit, unit_rows in batch.outputs:
             if unit.params.num_beams > 1:  # a beam search picks its tokens by its own search step
                 unit.advance(logits[unit_rows.start : unit_rows.stop], self.manager)
@@ -384,20 +425,6 @@ class Engine:
         finally:
             for unit in mine:
                 self.abort(unit)
-
-    def _sample(self, requests: list[Request], logits: torch.Tensor) -> list[tuple[Request, str]]:
-        if not requests:
-            return []
-        tokens = sample_batch(logits, [r.sampling for r in requests]).tolist()  # the one host read per forward
-        events = []
-        for request, token in zip(requests, tokens):
-            if token == NO_TOKEN:  # this row alone failed (NaN logits, an overflow): it ends, and retires
-                request.fail(request.sampling.error or "its logits could not be sampled")  # with the finished
-                events.append((request, ""))
-                continue
-            request.sampling.record(token)
-            events.append((request, request.append(token, request.sampling.logprob)))
-        return events
 
     def _new_seq_id(self) -> int:
         self._next_seq_id += 1

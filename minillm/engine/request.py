@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from minillm.cache.block_manager import BlockManager
 from minillm.engine.sequence import SequenceGroup
 from minillm.sampling import SamplingParams, SamplingState, TokenLogprob
+from minillm.sampling.speculative import Acceptance
 from minillm.tokenizer import StreamingDetokenizer, Tokenizer
 
 
@@ -93,6 +94,7 @@ class Request(SequenceGroup):
     finish_reason: str | None = None
     error: str | None = None  # set with finish_reason "error"
     logprobs: list[TokenLogprob] | None = None  # one per output token, when params.logprobs is set
+    acceptance: Acceptance | None = None  # set by the engine when this request speculates
 
     def __post_init__(self) -> None:
         self._detokenizer = StreamingDetokenizer(self.tokenizer, skip_special_tokens=True)

@@ -59,15 +59,22 @@ class ModelRunner:
 
     @torch.inference_mode()
     def verify(self, seq_ids: Sequence[int], token_lists: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Like ``prefill``, with logits at *every* token, [total tokens, vocab]: a speculative
-        step feeds each row its last token and the drafted ones, and needs the target's
-        distribution after each (``BlockManager.truncate`` takes back the rejected ones)."""
+        """The decode step of a speculative batch: each sequence is fed its last token and the
+        tokens drafted after it, a row per token (each row with its own length, as a short
+        prompt's tokens are in the packed-cpu step), and every row gets logits, [total tokens,
+        vocab]: the target's distribution after each draft. The backend runs it as any decode
+        step; ``BlockManager.truncate`` later takes back the rejected drafts' slots."""
         lengths = [len(tokens) for tokens in token_lists]
+        rows = sum(lengths)
         if self.trace is not None:
-            self.trace.append(("verify", len(seq_ids)))
-        step = self.cache.step(seq_ids, lengths, every_logit=True)
-        token_ids = torch.tensor([t for tokens in token_lists for t in tokens], device=self.model.device)
-        logits = self.backend.prefill(token_ids, step)
+            self.trace.append(("verify", rows))
+        width = max(len(self.cache.block_tables[s]) for s in seq_ids)
+        padded = self.backend.padded_rows(rows)
+        step = self.cache.step(seq_ids, lengths, pad_rows_to=padded, pad_width_to=self.backend.padded_width(width),
+                               row_per_token=True)
+        token_ids = torch.tensor([t for tokens in token_lists for t in tokens] + [0] * (padded - rows),
+                                 device=self.model.device)
+        logits = self.backend.decode(token_ids, step)[:rows]
         self.cache.manager.advance(seq_ids, lengths)
         return logits
 

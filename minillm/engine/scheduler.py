@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from minillm.cache.block_manager import BlockManager
@@ -54,7 +54,7 @@ class ScheduledBatch:
     """One forward planned for the engine: a packed prefill, or a decode step.
 
     Row ``i`` feeds ``token_ids[i]`` to sequence ``seq_ids[i]`` (a prompt chunk, or the one token
-    a decode row feeds); ``outputs`` are the units that take their next step from this forward's
+    a decode row feeds, then any drafted ones); ``outputs`` are the units that take their next step from this forward's
     logits, each with its rows; ``copies`` are the blocks to copy (copy-on-write) before it runs.
     """
 
@@ -63,6 +63,11 @@ class ScheduledBatch:
     token_ids: list[list[int]] = field(default_factory=list)
     outputs: list[tuple[SequenceGroup, range]] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def verifies(self) -> bool:
+        """A decode step that feeds drafted tokens (speculative decoding): logits at every token."""
+        return not self.is_prefill and any(len(tokens) > 1 for tokens in self.token_ids)
 
 
 class Scheduler:
@@ -125,19 +130,35 @@ class Scheduler:
             batch.token_ids.append(prefill.tokens[:n])
         return batch
 
-    def schedule_decode(self) -> ScheduledBatch:
-        """Reserve one token for every running row (preempting the newest while the pool is
-        short) and plan one decode row per sequence, fed its last token."""
+    def schedule_decode(self, drafts: Mapping[int, Sequence[int]] | None = None) -> ScheduledBatch:
+        """Reserve room for every running row (preempting the newest while the pool is short) and
+        plan one decode row per sequence, fed its last token.
+
+        ``drafts`` (speculative decoding: sequence id -> tokens a proposer guessed after its last
+        one) make it a *verify* step: such a sequence is fed its last token and its drafts, a row
+        per token, and reserves a slot for each. Drafts are a bonus: if the pool cannot hold them
+        all, the step drops them rather than preempt anyone."""
         batch = ScheduledBatch(is_prefill=False)
         if not self.running:
             return batch
-        batch.copies = self._reserve_or_preempt()
+        batch.copies, drafts = self._reserve_or_preempt(drafts or {})
+        row = 0  # (a row of logits per token: a sequence with drafts takes several)
         for unit in self.running:
-            rows = range(len(batch.seq_ids), len(batch.seq_ids) + len(unit.seq_ids))
-            batch.outputs.append((unit, rows))
-            batch.seq_ids += unit.seq_ids
-            batch.token_ids += [[token] for token in unit.last_tokens()]
+            first = row
+            for seq_id, token in zip(unit.seq_ids, unit.last_tokens()):
+                batch.seq_ids.append(seq_id)
+                batch.token_ids.append([token, *drafts.get(seq_id, ())])
+                row += len(batch.token_ids[-1])
+            batch.outputs.append((unit, range(first, row)))
         return batch
+
+    def rollback(self, unit: SequenceGroup, seq_id: int, length: int) -> None:
+        """After a verify step: keep the first ``length`` tokens of ``seq_id`` (the accepted
+        drafts), hand back the slots of the rejected ones (no copy), and with prefix caching key
+        the blocks that are now full of accepted tokens."""
+        self.manager.truncate(seq_id, length)
+        if self.manager.has_unkeyed_full_blocks(seq_id):
+            self.manager.cache_full_blocks(seq_id, unit.prefix_tokens())
 
     def mark_computed(self, batch: ScheduledBatch) -> None:
         """The forward wrote its tokens: each prompt moves past its chunk, and with prefix caching
@@ -150,8 +171,8 @@ class Scheduler:
                 prefill = by_seq[seq_id]
                 prefill.tokens = prefill.tokens[len(chunk) :]
                 units.append((prefill.unit, [seq_id]))
-        else:
-            units = [(unit, unit.seq_ids) for unit, _ in batch.outputs]
+        else:  # (a unit that verified drafts is keyed once they are settled: ``rollback``)
+            units = [(unit, unit.seq_ids) for unit, rows in batch.outputs if len(rows) == len(unit.seq_ids)]
         for unit, seq_ids in units:
             for seq_id in seq_ids:  # (building the ids copies them: only when a block filled)
                 if self.manager.has_unkeyed_full_blocks(seq_id):
@@ -224,8 +245,10 @@ class Scheduler:
         prefill.tokens = tokens[cached:]
         return self.manager.reserve([prefill.seq_id], [len(tokens) - cached])
 
-    def _reserve_or_preempt(self) -> list[tuple[int, int]]:
-        """Reserve one token for every running row, preempting the newest until it fits.
+    def _reserve_or_preempt(self, drafts: Mapping[int, Sequence[int]] | None = None
+                            ) -> tuple[list[tuple[int, int]], Mapping[int, Sequence[int]]]:
+        """Reserve one token for every running row (and a slot per draft, if they all fit),
+        preempting the newest until it fits; returns the block copies and the drafts kept.
 
         The newest are the prompts still being prefilled (chunked prefill): each holds the blocks
         of its whole prompt from admission on, for as many steps as its chunks take, while the
@@ -233,11 +256,16 @@ class Scheduler:
         running unit left alone always fits (the engine refuses any request larger than the
         pool), so each step decodes at least one unit and the engine always makes progress.
         """
+        if drafts:
+            seq_ids = [s for unit in self.running for s in unit.seq_ids]
+            counts = [1 + len(drafts.get(s, ())) for s in seq_ids]
+            if self.manager.can_reserve(seq_ids, counts):
+                return self.manager.reserve(seq_ids, counts), drafts
         while True:
             seq_ids = [s for unit in self.running for s in unit.seq_ids]
             alone = len(self.running) == 1 and not self.prefilling
             if alone or self.manager.can_reserve(seq_ids, [1] * len(seq_ids)):
-                return self.manager.reserve(seq_ids, [1] * len(seq_ids))
+                return self.manager.reserve(seq_ids, [1] * len(seq_ids)), {}
             victim = self.prefilling.pop().unit if self.prefilling else self.running.pop()  # the most recent arrival
             victim.free(self.manager)
             victim.preempt()

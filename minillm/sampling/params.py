@@ -135,6 +135,10 @@ class SamplingParams:
             what the model thinks of the token, whatever rule picked it.
         logit_bias: token id -> a number in [-100, 100] added to that token's logit before
             anything else (OpenAI's ``logit_bias``).
+        speculative: speculative decoding for this request: None follows the engine (on when it
+            was built with a proposer, ``Engine(speculative=...)``), False turns it off, True
+            asks for it (with prompt lookup if the engine has no proposer). The output is the
+            same either way: greedy tokens identical, sampled ones from the same distribution.
     """
 
     max_new_tokens: int = 64
@@ -152,6 +156,7 @@ class SamplingParams:
     response_format: ResponseFormat | None = None
     logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
+    speculative: bool | None = None
 
     def __post_init__(self) -> None:
         # Normalise first (int -> float for the float fields, list -> tuple for stop), then
@@ -171,6 +176,9 @@ class SamplingParams:
             if not 0 <= seed < _SEED_LIMIT:
                 raise ValueError(f"seed must be in [0, 2**64), got {seed}")
             object.__setattr__(self, "seed", seed)
+        if self.speculative is not None and not isinstance(self.speculative, bool):
+            raise TypeError(f"speculative must be True, False or None, got {self.speculative!r:.80} "
+                            f"({type(self.speculative).__name__})")
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r} ({type(self.ignore_eos).__name__})")
         object.__setattr__(self, "response_format", ResponseFormat.parse(self.response_format))
@@ -206,6 +214,9 @@ class SamplingParams:
                     f"beam search is deterministic: {', '.join(given_for_sampling)} only apply to sampling "
                     f"(num_beams=1); drop them or set num_beams=1"
                 )
+            if self.speculative:
+                raise ValueError("speculative decoding applies to sampled and greedy decoding (num_beams=1), "
+                                 "not to beam search")
             if self.response_format is not None:
                 raise ValueError("response_format applies to sampled and greedy decoding (num_beams=1), not to beam search")
             if self.n > self.num_beams:

@@ -30,6 +30,7 @@ import torch
 from minillm.structured import GrammarState, apply_grammar
 from minillm.sampling.logprobs import TokenLogprob, token_logprobs
 from minillm.sampling.params import SamplingParams
+from minillm.sampling.speculative import accept_or_resample
 from minillm.sampling.processors import (LogitsProcessor, RepetitionPenalty, apply_processors, build_processors,
                                         seen_tokens)
 
@@ -137,7 +138,8 @@ class SamplingState:
             self.grammar.advance(token_id)
 
 
-def sample_batch(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+def sample_batch(logits: torch.Tensor, states: Sequence[SamplingState],
+                 proposals: Sequence[tuple[int, torch.Tensor] | None] | None = None) -> torch.Tensor:
     """One next token per row of ``logits`` [rows, vocab], each row by its own ``states[row]``:
     the engine's one sampler call per step. Returns a LongTensor [rows].
 
@@ -149,6 +151,11 @@ def sample_batch(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch
     First the per-row adjustments: ``logit_bias`` added, the grammar's disallowed tokens set to
     ``-inf``. Rows that ask for ``logprobs`` get them in ``states[row].logprob`` (of the raw
     logits: see ``minillm.sampling.logprobs``).
+
+    ``proposals[row]`` (speculative decoding with a draft model): a sampled row given ``(token,
+    q)``, a token the draft drew from its distribution ``q`` [vocab], keeps it with probability
+    ``min(1, p/q)`` or else draws from the residual ``max(0, p - q)`` (``speculative.py``): the
+    result is distributed as the row's own ``p``. A greedy row takes its argmax regardless.
 
     One bad row never fails the others: a row whose scores hold a NaN, whose grammar allows no
     token, or whose probabilities are not finite after its processors (an overflow), gets
@@ -181,7 +188,12 @@ def sample_batch(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch
                 generator = states[row].generator
                 if generator is not None and generator.device.type != probs.device.type:
                     raise ValueError(f"the generator is on {generator.device} but the logits are on {probs.device}")
-                if not bad[i]:  # (a bad row draws nothing: its generator stays where it was)
+                proposal = proposals[row] if proposals is not None else None
+                if bad[i]:  # (a bad row draws nothing: its generator stays where it was)
+                    continue
+                if proposal is not None:
+                    picked[i] = accept_or_resample(probs[i], proposal[0], proposal[1].to(probs.device), generator)
+                else:
                     picked[i] = torch.multinomial(probs[i : i + 1], num_samples=1, generator=generator)[0, 0]
         if bad.any():  # one host read, only when a row failed
             for i in bad.nonzero()[:, 0].tolist():

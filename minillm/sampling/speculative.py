@@ -48,17 +48,52 @@ def verify_sampled(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_
                          f"got {tuple(draft_probs.shape)}")
     out = []
     for i, token in enumerate(draft_tokens):
-        p, q = target_probs[i], draft_probs[i]
-        u = torch.rand((), generator=generator, device=p.device)
-        if q[token] > 0 and u * q[token] < p[token]:  # u < p/q, without dividing by a small q
-            out.append(token)
-            continue
-        residual = (p - q).clamp(min=0)
-        if residual.sum() <= 0:  # p == q: a rejection has probability 0; draw from p all the same
-            residual = p
-        return out + [int(torch.multinomial(residual / residual.sum(), 1, generator=generator))]
+        picked = accept_or_resample(target_probs[i], token, draft_probs[i], generator)
+        out.append(picked)
+        if picked != token:
+            return out
     last = target_probs[len(draft_tokens)]
     return out + [int(torch.multinomial(last, 1, generator=generator))]
+
+
+def accept_or_resample(p: torch.Tensor, token: int, q: torch.Tensor, generator: torch.Generator | None = None) -> int:
+    """One position of the rule: ``token`` (drawn from ``q``) if accepted, else a draw from the
+    residual (which is 0 at ``token``: a rejection is possible only where ``p(token) < q(token)``)."""
+    u = torch.rand((), generator=generator, device=p.device)
+    if q[token] > 0 and u * q[token] < p[token]:  # u < p/q, without dividing by a small q
+        return token
+    residual = (p - q).clamp(min=0)
+    if residual.sum() <= 0:  # p == q: a rejection has probability 0; draw from p all the same
+        residual = p
+    return int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
+
+
+class Acceptance:
+    """A request's running estimate of the chance that its next draft is kept.
+
+    Each verification of ``j`` drafts that keeps ``a`` of them counts ``a`` kept and one
+    rejected (if ``a < j``): the maximum-likelihood rate of a geometric run, with older
+    verifications fading (``DECAY``) and a prior of ``PRIOR`` worth ``WEIGHT`` drafts. A step
+    without drafts fades the evidence a little (``IDLE_DECAY``), so a request whose drafts were
+    bad is tried again after a while: its text may have turned to copying its prompt."""
+
+    PRIOR, WEIGHT, DECAY, IDLE_DECAY = 0.6, 2.0, 0.8, 0.97
+
+    def __init__(self) -> None:
+        self.kept = 0.0
+        self.rejected = 0.0
+
+    @property
+    def rate(self) -> float:
+        return (self.kept + self.PRIOR * self.WEIGHT) / (self.kept + self.rejected + self.WEIGHT)
+
+    def update(self, proposed: int, kept: int) -> None:
+        self.kept = self.kept * self.DECAY + kept
+        self.rejected = self.rejected * self.DECAY + (kept < proposed)
+
+    def idle(self) -> None:
+        self.kept *= self.IDLE_DECAY
+        self.rejected *= self.IDLE_DECAY
 
 
 def _check(target: torch.Tensor, draft_tokens: Sequence[int]) -> None:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import minillm
 from minillm import Engine, SamplingParams, load_model
-from minillm.engine import engine as engine_module
+from minillm.engine import tokens as tokens_module
 from minillm.engine.beam import BeamSearch
 
 from helpers.checkpoints import tiny_hf_checkpoint
@@ -123,7 +123,7 @@ def test_the_pool_is_back_where_it_started_after_any_failure(tiny, monkeypatch, 
         if how == "decode":
             patch.setattr(engine.runner, "decode", failing(engine.runner.decode, Boom()))
         elif how == "sample":
-            patch.setattr(engine_module, "sample_batch", failing(engine_module.sample_batch, Boom()))
+            patch.setattr(tokens_module, "sample_batch", failing(tokens_module.sample_batch, Boom()))
         elif how == "interrupt":
             patch.setattr(engine.runner, "decode", failing(engine.runner.decode, KeyboardInterrupt()))
         try:
@@ -289,7 +289,7 @@ def test_a_sampler_failure_right_after_a_prefill_aborts_the_request(tiny, monkey
     engine = _engine(tiny, prefill_chunk_tokens=chunk)
     request = engine.add_request([5, 6, 7, 8, 9], SamplingParams(max_new_tokens=3, ignore_eos=True))
     with monkeypatch.context() as patch:
-        patch.setattr(engine_module, "sample_batch", lambda *args: (_ for _ in ()).throw(error()))
+        patch.setattr(tokens_module, "sample_batch", lambda *args: (_ for _ in ()).throw(error()))
         with pytest.raises(error):
             while engine.has_unfinished_requests():
                 engine.step()
