@@ -1,0 +1,1 @@
+"""Tensor-parallel inference over ``torch.distributed`` (notebook 15). See ``shard`` first."""
