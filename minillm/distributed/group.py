@@ -124,6 +124,7 @@ class Group:
 
     def close(self) -> None:
         self._stop.set()
+        self._heartbeat.join()
         if dist.is_initialized():
             dist.destroy_process_group()
 

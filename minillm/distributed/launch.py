@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import multiprocessing as mp
+import pickle
 import queue
 import time
 import traceback
@@ -43,7 +44,8 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, timeou
     try:
         group: Group = init_group(rank, world_size, timeout=timeout, grace=grace, store=store)
         value = fn(group, *args)
-        results.put((rank, value, None))
+        # pickled here, by value: the queue would share a tensor's memory through a handle that dies with this process
+        results.put((rank, pickle.dumps(value), None))
         group.close()
     except BaseException as err:  # reported to the launcher, then the process ends with an error code
         results.put((rank, None, f"{type(err).__name__}: {err}"))
@@ -78,7 +80,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout
             if all(not p.is_alive() for p in processes) and results.empty():
                 break  # a rank died without a word (killed): nothing more will come
             continue
-        outcomes[rank].value, outcomes[rank].error = value, error
+        outcomes[rank].value, outcomes[rank].error = None if value is None else pickle.loads(value), error
         reported.add(rank)
     for p, outcome in zip(processes, outcomes):
         p.join(max(0.0, end - time.monotonic()))
