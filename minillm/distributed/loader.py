@@ -69,15 +69,17 @@ def read_float_shard(folder: Path, config: ModelConfig, shard: Shard,
         if config.tie_word_embeddings and short == "lm_head.weight":
             continue
         part = shard.part(short)
-        try:
+        try:  # one tensor per opening: the pages of the map that a slice touches are let go right after
             with safe_open(info.file, framework="pt") as f:
                 view = f.get_slice(info.stored_as)
                 tensor = view[:] if part is None else view[part[1]] if part[0] == 0 else view[:, part[1]]
+                # a copy: the slice may be a view of the memory-mapped file, which would keep the map alive
+                tensor = tensor.clone(memory_format=torch.contiguous_format)
         except (SafetensorError, OSError) as err:
             raise FileFormatError(f"{info.file}: not a readable safetensors file ({err})") from None
         if not torch.isfinite(tensor).all():
             raise FileFormatError(f"{info.file}: tensor {name} holds NaN or infinite values")
-        state[short] = tensor.contiguous()
+        state[short] = tensor
     return state
 
 
