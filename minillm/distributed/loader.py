@@ -17,7 +17,8 @@ itself (memory-mapped too). A packed matrix's row is its blocks of 32 inputs, ea
 scales: a column-parallel slice takes whole rows, a row-parallel one whole blocks of every
 row (the shard puts the feed-forward split between blocks; a GQA group's o_proj columns,
 3 x 64 on SmolLM2, are whole blocks too). The blocks a rank holds are the very bytes one
-process holds, so the products are the same.
+process holds, so the products are the same. ``weights="q8_0"`` (or Q4_x) quantizes the
+rank's float slices at load instead (``distributed.quantize``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from safetensors import SafetensorError, safe_open
 from minillm.assets import default_gguf_path
 from minillm.distributed.group import Group
 from minillm.distributed.layers import build_rank_model
+from minillm.distributed.quantize import quantize_shard
 from minillm.distributed.shard import Shard, plan
 from minillm.errors import FileFormatError
 from minillm.gguf_io import open_gguf
@@ -39,8 +41,8 @@ from minillm.model.checkpoint import check_weights, safetensors_headers
 from minillm.model.config import HF_NAMES, ModelConfig
 from minillm.model.gguf_weights import FLOAT_TYPES, NATIVE_TYPES, gguf_tensors, unpermute
 from minillm.model.llama import Transformer
-from minillm.model.loading import DTYPES, convert_gguf
-from minillm.model.quant import BLOCK_BYTES, BLOCK_SIZE, from_gguf_blocks
+from minillm.model.loading import CALIBRATION_TEXT, DTYPES, convert_gguf
+from minillm.model.quant import BLOCK_BYTES, BLOCK_SIZE, FORMATS, from_gguf_blocks
 from minillm.safe_io import read_json
 from minillm.tokenizer import Tokenizer
 
@@ -127,13 +129,14 @@ def load_tensor_parallel(source: str | os.PathLike[str] | None, group: Group, *,
             cache: rank 0 converts, the others wait), or an HF checkpoint folder.
         group: the run (``init_group``); every rank calls this with the same arguments.
         dtype: the activations' (and float weights') dtype, or its name (default float32).
-        weights: None (float weights), or "native": the GGUF's Q8_0 / Q4_x blocks, packed,
-            sliced from the file.
+        weights: None (float weights); "native": the GGUF's Q8_0 / Q4_x blocks, packed,
+            sliced from the file; "q8_0" / "q4_0" / "q4_1": the float slices quantized at load
+            (``distributed.quantize``).
 
     Raises ValueError, naming the head counts, when the model cannot split over the group.
     """
-    if weights not in (None, "native"):
-        raise ValueError(f"weights={weights!r}: tensor parallelism loads float weights (None) or 'native' blocks")
+    if weights not in (None, "native", *FORMATS):
+        raise ValueError(f"weights={weights!r} is not one of None (floats), 'native', {', '.join(FORMATS)}")
     dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype or torch.float32
     device = torch.device(device)
     path = None if source is None else Path(source)
@@ -153,4 +156,8 @@ def load_tensor_parallel(source: str | os.PathLike[str] | None, group: Group, *,
     blocks = read_block_shard(gguf, config, shard) if weights == "native" else {}
     state = read_float_shard(folder, config, shard, skip=set(blocks))
     model = build_rank_model(config, shard, group, state, blocks, device, dtype, [len(s.vocab) for s in shards])
-    return model, Tokenizer.from_file(folder), shard
+    tokenizer = Tokenizer.from_file(folder)
+    if weights in FORMATS:  # quantized from the float slices, calibrated on the text load_model uses
+        ids = tokenizer.encode(CALIBRATION_TEXT)[: config.max_position_embeddings]
+        quantize_shard(model, weights, torch.tensor([ids]), group)
+    return model, tokenizer, shard

@@ -93,6 +93,17 @@ def test_native_blocks_split_by_rows_and_by_whole_blocks(tmp_path, monkeypatch, 
     assert values[0]["tokens"] == expected["tokens"]
 
 
+def test_quantized_at_load_each_rank_its_slices(untied, kernels_built):
+    """weights="q8_0": each rank quantizes its float slices, calibrated by a tensor-parallel forward."""
+    values = ranks_ok(run_ranks(logits_and_tokens, 2, (str(untied), "float32", PROMPTS, NEW_TOKENS, "q8_0"),
+                                timeout=30, deadline=90))
+    expected = one_process(untied, "float32", "q8_0")
+    assert values[0]["packed"] == 2 * 7 + 2
+    for mine, theirs in zip(values[0]["logits"], expected["logits"]):
+        assert (mine - theirs).abs().max().item() <= 1e-4
+    assert values[0]["tokens"] == expected["tokens"]
+
+
 def test_a_rank_that_dies_is_named_by_the_others(untied):
     outcomes = run_ranks(dies, 3, (str(untied), 1), timeout=20, grace=2, deadline=60)
     assert outcomes[1].exitcode == 3
