@@ -65,10 +65,6 @@ class VocabParallelHead(torch.nn.Module):
         super().__init__()
         self.layer, self.sizes, self.group = layer, sizes, group
 
-    @property
-    def weight(self) -> torch.Tensor | None:  # a tied head is the table's rows (``quant.weight_bytes`` counts them once)
-        return getattr(self.layer, "weight", None)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.group.all_gather(self.layer(x), self.sizes)
 

@@ -57,8 +57,8 @@ def read_config(folder: Path) -> ModelConfig:
 def read_float_shard(folder: Path, config: ModelConfig, shard: Shard,
                      skip: set[str] = frozenset()) -> dict[str, torch.Tensor]:
     """The rank's slices of a checkpoint folder's tensors (names without ``model.``), read with
-    ``get_slice``, after every header is checked against ``config``. Modules in ``skip`` are
-    left out (they come packed from elsewhere)."""
+    ``get_slice``, after every header is checked against ``config``. The weights of the modules
+    in ``skip`` are left out (they come packed from elsewhere; their biases do not)."""
     headers = safetensors_headers(folder)
     files = {info.file for info in headers.values()}
     check_weights(config, headers, folder / "config.json", files.pop() if len(files) == 1 else folder,
@@ -66,7 +66,7 @@ def read_float_shard(folder: Path, config: ModelConfig, shard: Shard,
     state: dict[str, torch.Tensor] = {}
     for name, info in headers.items():
         short = name.removeprefix("model.")
-        if short.endswith("rotary_emb.inv_freq") or short.rsplit(".", 1)[0] in skip:
+        if short.endswith("rotary_emb.inv_freq") or short.removesuffix(".weight") in skip:
             continue
         if config.tie_word_embeddings and short == "lm_head.weight":
             continue
@@ -108,7 +108,7 @@ def read_block_shard(path: Path, config: ModelConfig, shard: Shard) -> dict[str,
             width = BLOCK_BYTES[fmt]
             raw = raw[:, rows.start // BLOCK_SIZE * width: rows.stop // BLOCK_SIZE * width]
         parts = from_gguf_blocks(np.ascontiguousarray(raw), fmt)
-        for key, value in parts.items():
+        for value in parts.values():
             if value.is_floating_point() and not torch.isfinite(value).all():
                 raise FileFormatError(f"{path}: tensor {tensor.name} ({type_name}) has NaN or infinite block scales")
         if config.architecture == "llama" and short.endswith(("q_proj.weight", "k_proj.weight")):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -41,7 +42,7 @@ def split(total: int, parts: int) -> list[range]:
     bounds = [0]
     for i in range(parts):
         bounds.append(bounds[-1] + base + (i < extra))
-    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+    return [range(a, b) for a, b in pairwise(bounds)]
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ SMOLLM2 = ModelConfig(vocab_size=49152, hidden_size=576, n_layers=30, n_heads=9,
 def test_smollm2_over_three_ranks_is_one_group_each():
     shards = plan(SMOLLM2, 3)
     assert [(s.kv_heads, s.q_heads) for s in shards] == [
-        (range(0, 1), range(0, 3)), (range(1, 2), range(3, 6)), (range(2, 3), range(6, 9))]
+        (range(1), range(3)), (range(1, 2), range(3, 6)), (range(2, 3), range(6, 9))]
     assert [s.q_rows for s in shards] == [slice(0, 192), slice(192, 384), slice(384, 576)]
     assert [len(s.ffn) for s in shards] == [512, 512, 512]
     assert [len(s.vocab) for s in shards] == [16384] * 3
@@ -26,7 +26,7 @@ def test_smollm2_over_two_ranks_is_two_groups_then_one():
     first, second = plan(SMOLLM2, 2)
     assert (len(first.q_heads), len(first.kv_heads), len(second.q_heads), len(second.kv_heads)) == (6, 2, 3, 1)
     assert first.kv_rows == slice(0, 128) and second.kv_rows == slice(128, 192)
-    assert first.ffn == range(0, 768) and second.ffn == range(768, 1536)  # 24 blocks of 32 each
+    assert first.ffn == range(768) and second.ffn == range(768, 1536)  # 24 blocks of 32 each
     local = second.local_config(SMOLLM2)
     assert (local.n_heads, local.n_kv_heads, local.head_dim, local.intermediate_size, local.vocab_size) == (3, 1, 64, 768, 49152)
 
@@ -56,8 +56,8 @@ def test_a_world_size_that_cannot_split_names_the_head_counts():
 
 
 def test_split_gives_the_extra_to_the_first_ranks():
-    assert split(3, 2) == [range(0, 2), range(2, 3)]
-    assert split(320, 3) == [range(0, 107), range(107, 214), range(214, 320)]
+    assert split(3, 2) == [range(2), range(2, 3)]
+    assert split(320, 3) == [range(107), range(107, 214), range(214, 320)]
 
 
 @settings(max_examples=200, deadline=None)

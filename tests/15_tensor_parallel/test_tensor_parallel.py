@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers.checkpoints import tiny_hf_checkpoint, write_gguf
 from helpers.tp_ranks import BLOCK_SIZE, NUM_BLOCKS, dies, greedy, logits_and_tokens
+
 from minillm.assets import cache_dir
 from minillm.cache.paged import PagedKVCache
 from minillm.distributed.launch import run_ranks
@@ -24,7 +24,8 @@ from minillm.model.loading import load_model
 
 PROMPTS = [[5, 17, 42, 7, 99, 3, 250], [11, 12], [300, 8, 1, 64, 64]]
 NEW_TOKENS = 5
-SHAPE = dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=3, head_dim=16, intermediate_size=96)
+SHAPE = {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 16,
+         "intermediate_size": 96}
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +54,13 @@ def ranks_ok(outcomes) -> list:
     return [o.value for o in outcomes]
 
 
-@pytest.mark.parametrize("world, checkpoint", [(2, "untied"), (3, "tied")])
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory, tiny_tokenizer) -> Path:
+    """Qwen2's q/k/v have biases: column-parallel, they split with the rows."""
+    return tiny_hf_checkpoint(tmp_path_factory.mktemp("tp") / "qwen2", tiny_tokenizer, "qwen2", **SHAPE)
+
+
+@pytest.mark.parametrize("world, checkpoint", [(2, "untied"), (3, "tied"), (2, "qwen2")])
 def test_logits_and_greedy_tokens_match_one_process(world, checkpoint, request):
     source = request.getfixturevalue(checkpoint)
     values = ranks_ok(run_ranks(logits_and_tokens, world, (str(source), "float64", PROMPTS, NEW_TOKENS),
