@@ -111,12 +111,16 @@ def test_quantized_at_load_each_rank_its_slices(untied, kernels_built):
     assert values[0]["tokens"] == expected["tokens"]
 
 
-def test_a_rank_that_dies_is_named_by_the_others(untied):
-    outcomes = run_ranks(dies, 3, (str(untied), 1), timeout=20, grace=2, deadline=60)
-    assert outcomes[1].exitcode == 3
-    for survivor in (outcomes[0], outcomes[2]):
-        assert survivor.error is not None and "RankFailure" in survivor.error, survivor.error
-        assert f"rank {survivor.rank}: rank 1 stopped answering" in survivor.error
+@pytest.mark.parametrize("world, victim, idle", [(3, 1, False), (2, 0, True)])
+def test_a_rank_that_dies_is_named_by_the_others(untied, world, victim, idle):
+    """A rank killed in the middle of a forward, or rank 0 killed while the workers wait for its
+    next step: every other rank raises a RankFailure naming it (within the group's timeout)."""
+    outcomes = run_ranks(dies, world, (str(untied), victim, idle), timeout=20, grace=2, deadline=60)
+    assert outcomes[victim].exitcode == 3
+    for survivor in outcomes:
+        if survivor.rank != victim:
+            assert survivor.error is not None and "RankFailure" in survivor.error, survivor.error
+            assert f"rank {survivor.rank}: rank {victim} stopped answering" in survivor.error
 
 
 class OneOfFour:

@@ -59,13 +59,18 @@ def logits_and_tokens(group: Group, source: str, dtype: str, prompts: list[list[
     return {"logits": logits, "tokens": tokens, "backend": runner.backend.name, "packed": packed}
 
 
-def dies(group: Group, source: str, victim: int) -> str:
-    """Every rank runs a forward; then ``victim`` exits at once and the others run another one."""
-    model, _, _ = load_tensor_parallel(source, group, dtype="float64")
+def dies(group: Group, source: str, victim: int, idle: bool) -> str:
+    """Every rank runs a forward; then ``victim`` exits at once, and the others run another
+    forward or (``idle``) wait for rank 0's next step, as a worker between requests does."""
+    model, _, shard = load_tensor_parallel(source, group, dtype="float64")
     ids = torch.tensor([[1, 2, 3]])
     with torch.inference_mode():
         model(ids)
         if group.rank == victim:
             os._exit(3)
-        model(ids)
-    return "the second forward ran without the victim"
+        if idle:
+            cache = PagedKVCache(shard.local_config(model.config), NUM_BLOCKS, BLOCK_SIZE, dtype=model.dtype)
+            serve_steps(group, EagerBackend(model), cache)
+        else:
+            model(ids)
+    return "went on without the victim"
