@@ -52,11 +52,13 @@ DEFAULT_GGUF_META = {
 
 
 def write_gguf(path: Path, pristine: Path, tokenizer: Tokenizer, meta: dict[str, Any] | None = None,
-               tensors: dict[str, np.ndarray | None] | None = None, types: dict[str, Any] | None = None) -> Path:
+               tensors: dict[str, np.ndarray | None] | None = None, types: dict[str, Any] | None = None,
+               heads: tuple[int, int] = (4, 2)) -> Path:
     """The tiny checkpoint as a float32 GGUF (as llama.cpp would convert it), with metadata
     overrides (a value of None drops the key) and tensor overrides (None drops the tensor);
     ``types`` stores the named tensors quantized (GGUF name -> ``GGMLQuantizationType``, or a
-    function of the name), with gguf's own quantizer."""
+    function of the name), with gguf's own quantizer. ``heads``: the checkpoint's query and KV head
+    counts (the Q/K permutation is per head)."""
     import gguf
 
     hf_to_gguf = {hf.removeprefix("model."): g for g, hf in GGUF_TO_HF.items()}
@@ -68,9 +70,9 @@ def write_gguf(path: Path, pristine: Path, tokenizer: Tokenizer, meta: dict[str,
         g = hf_to_gguf[key].format(i=parts[1] if parts[0] == "layers" else "")
         w = w.numpy()
         if g.endswith("attn_q.weight"):
-            w = permute(w, 4)
+            w = permute(w, heads[0])
         elif g.endswith("attn_k.weight"):
-            w = permute(w, 2)
+            w = permute(w, heads[1])
         state[g] = w
     state.update(tensors or {})
     special = set(tokenizer.special_tokens.values())

@@ -15,6 +15,9 @@ the layers from the bottom, each with the first name after ``minillm.`` of the m
 * ``cache``: where the keys and values live, and which blocks hold them (notebooks 07-08,
   12). Below the model: the model writes into a cache, the cache knows nothing of the model.
 * ``model``: the transformer and its weights (notebooks 03-06, 11).
+* ``distributed``: tensor parallelism (notebook 15): the shard layout, a rank's model and its
+  loader, the collectives, and the step broadcast from rank 0. It builds on the model and the
+  cache, and the engine picks its backend like any other, so it sits between them.
 * ``sampling``: logits -> the next id (notebook 09); it needs no model, but nothing below the
   engine needs it, so it sits where the pipeline uses it.
 * ``engine``: requests, scheduling and the loop that runs the model (notebooks 10, 12), and
@@ -69,6 +72,7 @@ LAYERS = {
     "structured": ("structured",),
     "cache": ("cache",),
     "model": ("model",),
+    "distributed": ("distributed",),
     "sampling": ("sampling",),
     "engine": ("engine", "generate"),
     "apps": ("serve", "bench", "reference", "demo"),
