@@ -28,6 +28,7 @@ from minillm.bench import (
     serve,
     structured,
     tokenizer,
+    tp,
 )
 from minillm.bench.batching import BATCH_PROMPTS, bench_batching, print_batching_report
 from minillm.bench.cache import bench_cache, kv_waste, mixed_workload, print_cache_report
@@ -66,6 +67,7 @@ from minillm.bench.timing import (
     percentile,
 )
 from minillm.bench.tokenizer import bench_tokenizer, print_tokenizer_report
+from minillm.bench.tp import bench_tp, print_tp_report
 from minillm.bench.workloads import DECODE_PROMPT_TOKENS, corpus_prompt, poisson_arrivals
 
 # `python -m minillm bench NAME`: its module's run(args), and the printer of its results
@@ -83,6 +85,7 @@ BENCHMARKS: dict[str, tuple[Callable[[argparse.Namespace], dict[str, Any]], Call
     "serve": (serve.run, print_serve_report),
     "structured": (structured.run, structured.print_structured_report),
     "gpu": (gpu.run, gpu.print_gpu_report),
+    "tp": (tp.run, print_tp_report),
 }
 
 
@@ -100,11 +103,11 @@ __all__ = [
     "BANDWIDTH_BYTES", "BATCH_PROMPTS", "BENCHMARKS", "DECODE_PROMPT_TOKENS", "HELD_OUT_CHARS", "HF_CB_PAGE_TOKENS",
     "MINILLM_SERVE_CONFIGS", "QUANT_FORMATS", "SERVE_TOPICS", "TRANSFORMERS_SERVE_MODES", "ServerProcess",
     "bandwidth_reader", "bench_batching", "bench_cache", "bench_context", "bench_cpu_settings", "bench_latency",
-    "bench_load", "bench_model", "bench_quant", "bench_scheduler", "bench_serve", "bench_tokenizer", "best_time",
+    "bench_load", "bench_model", "bench_quant", "bench_scheduler", "bench_serve", "bench_tokenizer", "bench_tp", "best_time",
     "corpus_prompt", "format_quality", "free_port", "held_out_tokens", "interleaved", "interleaved_best",
     "kv_waste", "latency_summary", "load_summary", "main", "mixed_workload", "percentile", "poisson_arrivals",
     "print_batching_report", "print_cache_report", "print_context_report", "print_cpu_settings_report",
     "print_latency_report", "print_load_report", "print_model_report", "print_quant_report",
-    "print_scheduler_report", "print_serve_report", "print_tokenizer_report", "prometheus_values", "run_load",
+    "print_scheduler_report", "print_serve_report", "print_tokenizer_report", "print_tp_report", "prometheus_values", "run_load",
     "serve_arrivals", "serve_body", "serve_conversations", "serve_ratios", "serve_system_prompts",
 ]
