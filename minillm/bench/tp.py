@@ -38,6 +38,7 @@ one), and the step over NVLink, PCIe and Ethernet (stated parameters), and where
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -173,6 +174,7 @@ def measure_ranks(group: Group, source: str | None, dtype: str, prompts: list[li
         waits: dict[str, list[float]] = {f"b{batch}": [] for batch in batches}
         for batch, phase in schedule:
             if phase == "collectives alone":
+                meter.off = False
                 collectives_alone(group, model, batch, new_tokens)
             elif phase.startswith("2 ranks"):
                 meter.reset()
@@ -196,6 +198,7 @@ def measure_ranks(group: Group, source: str | None, dtype: str, prompts: list[li
         if phase == "1 process":
             seconds, tokens = decode_run(whole_runner, whole_cache, rows, new_tokens)
         elif phase == "collectives alone":
+            meter.off = False
             seconds = collectives_alone(group, model, batch, new_tokens)
         else:
             meter.off = phase.endswith("off")
@@ -216,6 +219,7 @@ def greedy_on_ranks(group: Group, source: str | None, dtype: str, prompt: list[i
     """Greedy decoding of ``prompt`` on ``group.world_size`` ranks, the engine's way: every rank
     loads its shard; rank 0 plans and samples, and returns the tokens and the logits of every
     step; each other rank serves rank 0's steps. Every rank reports its share of the model."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // group.world_size))  # its share of the cores (torchrun: 1)
     model, _, shard = load_tensor_parallel(source, group, dtype=dtype)
     local = shard.local_config(model.config)
     held = {"rank": group.rank, "q_heads": shard.q_heads, "kv_heads": shard.kv_heads, "ffn": shard.ffn,
@@ -256,17 +260,24 @@ def bench_tp(dtype: str = "float32", source: Any = None, new_tokens: int = 16, r
     errors = [f"rank {o.rank}: {o.error}" for o in outcomes if o.error or o.exitcode]
     if errors:
         raise RuntimeError("bench tp: " + "; ".join(errors))
-    r = outcomes[0].value
-    dtype_bytes = torch.empty(0, dtype=DTYPES[dtype]).element_size()
+    r = summarize(outcomes[0].value, outcomes[1].value, config, DTYPES[dtype])
     r.update(dtype=dtype, threads=threads, new_tokens=new_tokens, rounds=rounds, prompt_tokens=prompt_tokens,
-             batches=list(batches), seconds=time.perf_counter() - start, model=_shape(config),
-             rank1_all_reduce_s=outcomes[1].value["rank1_all_reduce_s"])
+             seconds=time.perf_counter() - start)
+    return r
+
+
+def summarize(rank0: dict[str, Any], rank1: dict[str, Any], config: Any, dtype: torch.dtype) -> dict[str, Any]:
+    """``measure_ranks``' results with the formula's bytes, this machine's fitted link and the cost
+    model's predictions beside them."""
+    dtype_bytes = torch.empty(0, dtype=dtype).element_size()
+    batches = sorted(int(key[1:]) for key in rank0 if key[1:].isdigit())
+    r = {**rank0, "batches": batches, "model": _shape(config), "rank1_all_reduce_s": rank1["rank1_all_reduce_s"]}
     gloo = tp_cost.fit_link("gloo, this machine (fitted)", tp_cost.step_messages(config, 2),
                             [tp_cost.sent_per_rank(config, 2, b, dtype_bytes) for b in batches],
                             [min(r[f"b{b}"]["collectives alone"]) for b in batches])
     r["gloo_latency_s"] = gloo.latency
     r["gloo_bandwidth"] = None if gloo.bandwidth == float("inf") else gloo.bandwidth
-    links = (gloo, *tp_cost.LINKS)
+    links, worlds = (gloo, *tp_cost.LINKS), [w for w in (2, 3) if w <= config.n_kv_heads]
     for batch in batches:
         tokens = r.pop(f"b{batch}_tokens")
         r[f"b{batch}_same_tokens"] = tokens["1 process"] == tokens["2 ranks"]
@@ -274,16 +285,15 @@ def bench_tp(dtype: str = "float32", source: Any = None, new_tokens: int = 16, r
         r[f"b{batch}_formula"] = {"all_reduce_calls": expected.all_reduces,
                                   "all_reduce": expected.total_all_reduce_bytes, "all_gather": expected.all_gather_bytes}
         compute = min(r[f"b{batch}"]["1 process"])
-        r[f"b{batch}_predicted"] = {link.name: {world: tp_cost.predict_seconds(compute, config, world, batch, dtype_bytes,
-                                                                               link) for world in (2, 3)}
-                                    for link in links}
+        r[f"b{batch}_predicted"] = {link.name: {w: tp_cost.predict_seconds(compute, config, w, batch, dtype_bytes, link)
+                                                for w in worlds} for link in links}
         r[f"b{batch}_break_even"] = {link.name: tp_cost.break_even_seconds(config, 2, batch, dtype_bytes, link)
                                      for link in links}
-    r["rank_share"] = {world: tp_cost.rank_share(config, world) for world in (2, 3)}
+    r["rank_share"] = {w: tp_cost.rank_share(config, w) for w in worlds}
     r["gpu_step_s"] = tp_cost.roofline_seconds(config, dtype_bytes)
-    big = tp_cost.LLAMA3_8B
     r["gpu_break_even"] = {link.name: tp_cost.break_even_seconds(config, 2, 1, dtype_bytes, link)
                            for link in tp_cost.LINKS}
+    big = tp_cost.LLAMA3_8B
     r["llama3_8b"] = {"step_s": tp_cost.roofline_seconds(big, 2), "predicted": {
         link.name: tp_cost.predict_seconds(tp_cost.roofline_seconds(big, 2), big, 2, 1, 2, link) for link in tp_cost.LINKS}}
     return r
@@ -314,6 +324,9 @@ def print_tp_report(r: dict[str, Any]) -> None:
               f"inside rank 0's all-reduces {1000 * min(c['all_reduce']):.1f} ms, all-gather {1000 * min(c['all_gather']):.1f} ms, "
               f"step broadcast {1000 * min(c['broadcast']):.1f} ms; rank 1 (lighter) inside its all-reduces "
               f"{1000 * min(r['rank1_all_reduce_s'][f'b{batch}']):.1f} ms")
+        parts = min(b["2 ranks, collectives off"]) + min(b["collectives alone"])
+        print(f"  collectives off + collectives alone = {1000 * parts:.1f} ms against the real step's "
+              f"{1000 * min(b['2 ranks']):.1f}: the rest is the ranks waiting for each other between collectives")
         calls, counted, formula = r[f"b{batch}_calls"], r[f"b{batch}_bytes"], r[f"b{batch}_formula"]
         ok = (calls["all_reduce"] == formula["all_reduce_calls"] and counted["all_reduce"] == formula["all_reduce"]
               and counted["all_gather"] == formula["all_gather"])
@@ -332,10 +345,11 @@ def print_tp_report(r: dict[str, Any]) -> None:
         print(f"batch {batch}: W=2 pays once one process's step exceeds: "
               + ", ".join(f"{name} {1000 * s:.2f} ms" for name, s in r[f"b{batch}_break_even"].items())
               + f" (it is {1000 * min(r[f'b{batch}']['1 process']):.1f} ms here)")
-        print("  this CPU's step predicted at W=2 / W=3 over: "
-              + "; ".join(f"{name} {1000 * p[2]:.1f} / {1000 * p[3]:.1f} ms" for name, p in r[f"b{batch}_predicted"].items()))
-    share = r["rank_share"]
-    print(f"the busiest rank's share of the weights: {share[2]:.3f} at W=2 (2 + 1 GQA groups), {share[3]:.3f} at W=3")
+        print("  this CPU's step predicted over: " + "; ".join(
+            f"{name} " + ", ".join(f"W={w} {1000 * t:.1f} ms" for w, t in p.items())
+            for name, p in r[f"b{batch}_predicted"].items()))
+    print("the busiest rank's share of the weights: "
+          + ", ".join(f"{share:.3f} at W={w}" for w, share in r["rank_share"].items()))
     big, gpu = r["llama3_8b"], r["gpu_step_s"]
     pays = [name for name, s in r["gpu_break_even"].items() if gpu > s]
     print(f"on H100s (HBM {tp_cost.HBM_BANDWIDTH / 1e12:.2f} TB/s, links as stated: parameters) this model's batch-1 "

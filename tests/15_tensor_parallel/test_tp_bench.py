@@ -3,6 +3,7 @@ are the formula's, and the two ranks' greedy tokens are one process's (no timing
 
 from __future__ import annotations
 
+import torch
 from helpers.checkpoints import tiny_hf_checkpoint
 
 from minillm.bench import tp, tp_cost
@@ -13,7 +14,7 @@ SHAPE = {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3, 
          "intermediate_size": 96}
 
 
-def test_the_bench_counts_the_formulas_bytes_and_matches_one_process(tmp_path, tiny_tokenizer):
+def test_the_bench_counts_the_formulas_bytes_and_matches_one_process(tmp_path, tiny_tokenizer, capsys):
     source = tiny_hf_checkpoint(tmp_path / "tiny", tiny_tokenizer, "llama", **SHAPE)
     prompts = [[5, 17, 42, 7, 99], [11, 12, 300, 8, 1]]
     new_tokens = 3
@@ -32,3 +33,12 @@ def test_the_bench_counts_the_formulas_bytes_and_matches_one_process(tmp_path, t
         assert tokens["1 process"] == tokens["2 ranks"] and len(tokens["2 ranks"]) == batch
         assert all(len(row) == new_tokens + 1 for row in tokens["2 ranks"])
     assert set(outcomes[1].value["rank1_all_reduce_s"]) == {"b1", "b2"}
+
+    summary = tp.summarize(r, outcomes[1].value, config, torch.float64)
+    assert summary["batches"] == [1, 2] and summary["b1_same_tokens"] and summary["b2_same_tokens"]
+    assert summary["gloo_latency_s"] > 0 and set(summary["rank_share"]) == {2, 3}
+    tp.print_tp_report({**summary, "dtype": "float64", "threads": 1, "new_tokens": new_tokens, "rounds": 1,
+                        "prompt_tokens": 5, "seconds": 1.0})
+    out = capsys.readouterr().out
+    assert out.count("the formula's") == 2 and "DIFFERENT" not in out
+    assert "greedy tokens the same as 1 process: True" in out and "W=2 pays once" in out
