@@ -72,6 +72,11 @@ def _response_format(args: argparse.Namespace) -> dict | None:
     return None
 
 
+def _speculation(args: argparse.Namespace) -> dict[str, object]:
+    """The Engine's speculative decoding options from ``--speculative`` and ``--num-speculative-tokens``."""
+    return {"speculative": args.speculative, "num_speculative_tokens": args.num_speculative_tokens}
+
+
 def _load(args: argparse.Namespace) -> tuple[Transformer, Tokenizer]:
     from minillm.model import load_model
     from minillm.model.loading import default_weights
@@ -94,14 +99,17 @@ def generate(args: argparse.Namespace) -> None:
                       for p in args.prompt]
     else:
         prompt_ids = [tok.encode(p) for p in args.prompt]
-    engine = Engine(model, tok, block_size=args.block_size, backend=args.backend)
+    engine = Engine(model, tok, block_size=args.block_size, backend=args.backend, **_speculation(args))
     start = time.perf_counter()
     completions = engine.generate(prompt_ids, params)
     originals = [p for p in args.prompt for _ in range(params.n)]
     elapsed = time.perf_counter() - start
     n_tokens = sum(len(c.token_ids) for c in completions)
+    stats = engine.speculation_stats
+    speculation = (f", {stats.accepted} of {stats.proposed} drafts kept in {stats.verifications} verifications"
+                   if stats.verifications else "")
     print(f"minillm: {n_tokens} tokens in {elapsed:.2f} s ({n_tokens / elapsed:.1f} tokens/s, "
-          f"backend {engine.backend})", file=sys.stderr)
+          f"backend {engine.backend}{speculation})", file=sys.stderr)
     for prompt, c in zip(originals, completions):
         if args.json:
             record = {"prompt": prompt, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}
@@ -124,7 +132,7 @@ def chat(args: argparse.Namespace) -> None:
 
     params = _sampling_params(args)
     model, tok = _load(args)
-    engine = Engine(model, tok, backend=args.backend)
+    engine = Engine(model, tok, backend=args.backend, **_speculation(args))
     messages: list[dict[str, str]] = []
     print("minillm chat — an empty line, Ctrl-D or Ctrl-C quits; Ctrl-C during an answer stops it.", file=sys.stderr)
     while True:
@@ -176,6 +184,7 @@ def serve(args: argparse.Namespace) -> int:
         raise RuntimeError(f"cannot listen on {args.host}:{args.port}: {err.strerror or err}") from err
     model, tok = _load(args)
     engine = Engine(model, tok, max_batch_size=args.max_batch_size, prefix_caching=not args.no_prefix_caching,
+                    **_speculation(args),
                     prefill_chunk_tokens=args.prefill_chunk_tokens or None, backend=args.backend)
     name = model_name(args.model)
     host = f"[{args.host}]" if family == socket.AF_INET6 else args.host
@@ -265,15 +274,25 @@ def main(argv: list[str] | None = None) -> int:
         sub.add_argument("--logprobs", type=int, default=None, metavar="K",
                          help="generate --json: each token's log-probability and its K best alternatives (0-20)")
 
+    def add_speculation(sub: argparse.ArgumentParser) -> None:
+        sub.add_argument("--speculative", default=None, metavar="prompt-lookup|draft:PATH",
+                         help="speculative decoding (notebook 14): drafts copied from the prompt and the answer "
+                              "(prompt-lookup), or guessed by a smaller model with the same tokenizer (draft:PATH; "
+                              "draft: alone is the default model in its default weights); the output is the same")
+        sub.add_argument("--num-speculative-tokens", type=_positive, default=4, metavar="K",
+                         help="the most drafts verified per step (default: 4; fewer where they do not pay)")
+
     gen = commands.add_parser("generate", help="complete prompts with a real model")
     gen.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
     add_model_and_sampling(gen)
     gen.add_argument("--block-size", type=_positive, default=16, help="tokens per KV block of the paged cache")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template as a user turn")
     gen.add_argument("--json", action="store_true", help="one JSON object per completion, in prompt order")
+    add_speculation(gen)
 
     chat_parser = commands.add_parser("chat", help="an interactive streaming chat with the model")
     add_model_and_sampling(chat_parser)
+    add_speculation(chat_parser)
 
     serve_parser = commands.add_parser(
         "serve", help="an OpenAI-compatible HTTP server with a chat page",
@@ -292,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     serve_parser.add_argument("--backend", default=None, choices=BACKENDS, help=BACKEND_HELP)
     serve_parser.add_argument("--max-batch-size", type=_positive, default=16,
                               help="most requests decoded together in one step (default: 16); more wait in the queue")
+    add_speculation(serve_parser)
 
     commands.add_parser("demo", help="run the end-to-end demo")
     serve_parser.add_argument("--prefill-chunk-tokens", type=int, default=256,
@@ -319,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     limits.add_argument("--request-timeout", type=_positive_seconds, default=30.0, metavar="SECONDS",
                         help="a request's headers, and then its body, must each arrive within this time; default: 30")
     bench = commands.add_parser("bench", help="benchmarks against the reference libraries")
-    bench.add_argument("target", nargs="?", default="model", choices=["model", "cpu", "tokenizer", "cache", "batching", "context", "latency", "load", "quant", "scheduler", "structured",
+    bench.add_argument("target", nargs="?", default="model", choices=["model", "cpu", "tokenizer", "cache", "batching", "context", "latency", "load", "quant", "scheduler", "structured", "speculative",
                                                                "serve", "gpu"])
     bench.add_argument("--json", action="store_true", help="print the results as one JSON object")
     bench.add_argument("--device", default=None, help="model, serve and gpu benchmarks: device (default: cuda if available)")

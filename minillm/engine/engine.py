@@ -33,12 +33,19 @@ from minillm.engine.request import Completion, Request
 from minillm.engine.runner import ModelRunner
 from minillm.engine.scheduler import ScheduledBatch, Scheduler
 from minillm.engine.scoring import prompt_logprobs
-from minillm.engine.speculation import MAX_SPECULATIVE_TOKENS, Drafts, PromptLookup, Proposer, SpeculationStats, Speculator
+from minillm.engine.speculation import (
+    MAX_SPECULATIVE_TOKENS,
+    Drafts,
+    PromptLookup,
+    Proposer,
+    SpeculationStats,
+    Speculator,
+)
 from minillm.engine.tokens import take_tokens
 from minillm.errors import GenerationError
 from minillm.model.llama import Transformer
-from minillm.sampling.speculative import Acceptance
 from minillm.sampling import SamplingParams, SamplingState, TokenLogprob, make_generator
+from minillm.sampling.speculative import Acceptance
 from minillm.structured import GrammarState, token_index
 from minillm.tokenizer import Tokenizer
 

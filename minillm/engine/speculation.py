@@ -37,7 +37,6 @@ import torch
 from minillm.engine.proposers import prompt_lookup
 from minillm.engine.request import Request
 from minillm.engine.sequence import SequenceGroup
-from minillm.sampling.speculative import Acceptance
 
 MAX_SPECULATIVE_TOKENS = 32  # drafts per request per step; past ~8 the chance of keeping them all is slim
 
