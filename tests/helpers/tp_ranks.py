@@ -10,7 +10,7 @@ import torch
 from minillm.cache.paged import PagedKVCache
 from minillm.distributed.group import Group
 from minillm.distributed.loader import load_tensor_parallel
-from minillm.distributed.step import TensorParallelBackend, TensorParallelKVCache, serve_steps
+from minillm.distributed.step import TensorParallelBackend, TensorParallelKVCache, receive_pool_size, serve_steps
 from minillm.engine.backends.eager import EagerBackend
 from minillm.engine.runner import ModelRunner
 from minillm.model.quant import QuantizedLinear
@@ -48,7 +48,8 @@ def logits_and_tokens(group: Group, source: str, dtype: str, prompts: list[list[
         logits = [model(torch.tensor([p]))[0] for p in prompts]
     local = shard.local_config(model.config)
     if group.rank:
-        cache = PagedKVCache(local, NUM_BLOCKS, BLOCK_SIZE, dtype=model.dtype)
+        num_blocks, block_size = receive_pool_size(group)  # rank 0's cache says its size
+        cache = PagedKVCache(local, num_blocks, block_size, dtype=model.dtype)
         return {"steps": serve_steps(group, EagerBackend(model), cache)}
     cache = TensorParallelKVCache(group, local, NUM_BLOCKS, BLOCK_SIZE, dtype=model.dtype)
     runner = ModelRunner(model, cache, backend="eager")
