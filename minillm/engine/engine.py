@@ -28,7 +28,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from minillm.cache import BlockManager, PagedKVCache
-from minillm.distributed.group import Group
+from minillm.distributed.group import Group, RankFailure
 from minillm.distributed.step import TensorParallelBackend, TensorParallelKVCache
 from minillm.engine.beam import BeamSearch
 from minillm.engine.draft import DraftModel, make_proposer
@@ -167,6 +167,8 @@ class Engine:
             self.cache = (partial(TensorParallelKVCache, tensor_parallel) if parallel else PagedKVCache)(
                 model.config, num_blocks, block_size, device=model.device, dtype=model.dtype,
                 prefix_caching=prefix_caching)
+        except RankFailure:  # (a tensor-parallel rank went away while the pools were being sized)
+            raise
         except (MemoryError, RuntimeError) as err:  # the allocator's own message often names no size
             gib = 2 * model.config.n_layers * (num_blocks + 1) * model.config.n_kv_heads * block_size \
                 * model.config.head_dim * model.dtype.itemsize / 2**30
