@@ -10,6 +10,7 @@ line's own launch (``--tensor-parallel 2`` without torchrun) prints what one pro
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -62,18 +63,56 @@ def test_a_rank_that_dies_is_named_by_rank_0_within_the_timeout(folder, eos):
     assert time.monotonic() - start < 60
 
 
-def test_the_command_line_starts_its_ranks_and_prints_one_process_output(folder):
-    """``generate --tensor-parallel 2`` run plainly starts the second rank itself. In float32 the
-    two runs may differ where two logits are within rounding of each other: compared where the
-    float64 model's best logit leads the second by more than 1e-3."""
-    base = [sys.executable, "-m", "minillm", "generate", "--model", str(folder), "--json", "--max-new-tokens", "16",
-            "--prompt", "the king is dead", "--prompt", "long live the queen"]
-    runs = [subprocess.run(base + extra, cwd=REPO, capture_output=True, text=True, timeout=240)
-            for extra in (["--backend", "eager"], ["--tensor-parallel", "2"])]
-    for run in runs:
+GENERATE = ["-m", "minillm", "generate", "--json", "--max-new-tokens", "16", "--prompt", "the king is dead",
+            "--prompt", "long live the queen"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def one_process_output(folder) -> str:
+    run = subprocess.run([sys.executable, *GENERATE, "--model", str(folder), "--backend", "eager"], cwd=REPO,
+                         capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr
+    return run.stdout
+
+
+@pytest.mark.parametrize("launch", ["alone", "two nodes"])
+def test_the_command_line_prints_one_process_output(folder, one_process_output, launch):
+    """``generate --tensor-parallel 2`` run plainly (it starts the second rank itself), and as a
+    two-machine run simulated on loopback: two ``torchrun --nnodes 2 --node-rank {0,1}`` commands.
+    In float32 two runs may differ where two logits are within rounding of each other: they are
+    compared where the float64 model's best logit leads the second by more than 1e-3."""
+    base = [*GENERATE, "--model", str(folder)]
+    if launch == "alone":
+        run = subprocess.run([sys.executable, *base, "--tensor-parallel", "2"], cwd=REPO, capture_output=True,
+                             text=True, timeout=240)
         assert run.returncode == 0, run.stderr
-    one, two = ([json.loads(line) for line in run.stdout.splitlines()] for run in runs)
-    assert "over 2 tensor-parallel ranks" in runs[1].stderr and "backend eager x2 ranks" in runs[1].stderr
+        assert "backend eager x2 ranks" in run.stderr
+        out = run.stdout
+    else:
+        port = _free_port()
+        nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(r),
+                                   "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", *base,
+                                   "--tensor-parallel", "2"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True) for r in (0, 1)]
+        try:
+            outputs = [node.communicate(timeout=240) for node in nodes]
+        finally:
+            for node in nodes:
+                node.kill()
+        assert [node.returncode for node in nodes] == [0, 0], [err[-2000:] for _, err in outputs]
+        assert outputs[1][0] == ""  # only rank 0 speaks
+        out = outputs[0][0]
+    _same_where_clear(folder, one_process_output, out)
+
+
+def _same_where_clear(folder: Path, one_out: str, two_out: str) -> None:
+    one, two = ([json.loads(line) for line in out.splitlines()] for out in (one_out, two_out))
     model, tok = load_model(folder, device="cpu", dtype="float64")
     assert len(one) == len(two) == 2
     for a, b in zip(one, two):
