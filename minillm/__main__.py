@@ -14,9 +14,8 @@ import signal
 import socket
 import sys
 import time
-from pathlib import Path
-
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 # load_model's weight formats and the engine's backends (kept here so `--help` does not import torch)

@@ -103,6 +103,6 @@ def _worker(rank: int, world_size: int, port: int, source: str | None, weights: 
         with torch.inference_mode():
             follow(group, model)
         group.close()
-    except Exception as err:  # rank 0 went away, or this rank failed: say so, end with an error code
+    except Exception as err:  # noqa: BLE001 (rank 0 went away, or this rank failed: say so, end with an error code)
         print(f"minillm: error: {err}", file=sys.stderr)  # (a RankFailure names this rank and the silent one)
         raise SystemExit(1) from None
