@@ -7,13 +7,15 @@ diagnostics go to stderr, so the output can be piped.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
+import socket
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 # load_model's weight formats and the engine's backends (kept here so `--help` does not import torch)
@@ -24,6 +26,7 @@ BACKEND_HELP = ("how steps run: eager (the notebooks' PyTorch), compiled (torch.
 
 
 if TYPE_CHECKING:
+    from minillm.engine import Engine
     from minillm.model import Transformer
     from minillm.sampling import SamplingParams
     from minillm.tokenizer import Tokenizer
@@ -72,6 +75,46 @@ def _response_format(args: argparse.Namespace) -> dict | None:
     return None
 
 
+def _speculation(args: argparse.Namespace) -> dict[str, object]:
+    """The Engine's speculative decoding options from ``--speculative`` and ``--num-speculative-tokens``."""
+    return {"speculative": args.speculative, "num_speculative_tokens": args.num_speculative_tokens}
+
+
+@contextlib.contextmanager
+def _engine(args: argparse.Namespace, **options: object) -> Iterator[Engine | None]:
+    """The model loaded and its Engine built, as ``args`` ask. With ``--tensor-parallel N`` this
+    process is one rank of N (under torchrun, or the first of N it starts itself): rank 0 yields
+    the Engine; any other rank follows rank 0's steps until it is done, then yields None."""
+    from minillm.engine import Engine
+
+    options |= _speculation(args)
+    if args.tensor_parallel == 1:
+        model, tok = _load(args)
+        yield Engine(model, tok, backend=args.backend, **options)
+        return
+    from minillm.engine import tensor_parallel
+    from minillm.model.loading import default_weights
+
+    if args.device not in (None, "cpu"):
+        raise ValueError("--tensor-parallel runs CPU ranks over gloo here: leave out --device")
+    start = time.perf_counter()
+    weights = args.weights or default_weights(args.model, "cpu")
+    run = tensor_parallel.start(args.tensor_parallel, args.model, weights)
+    if not run.leader:  # a rank torchrun started: rank 0 speaks for the run
+        tensor_parallel.follow(run.group, run.model)
+        run.finish()
+        yield None
+        return
+    print(f"minillm: loaded {args.model or 'SmolLM2-135M-Instruct'} over {args.tensor_parallel} tensor-parallel ranks "
+          f"({weights} weights) in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    engine = Engine(run.model, run.tokenizer, backend=args.backend, tensor_parallel=run.group, **options)
+    try:
+        yield engine
+    finally:
+        engine.close()
+        run.finish()
+
+
 def _load(args: argparse.Namespace) -> tuple[Transformer, Tokenizer]:
     from minillm.model import load_model
     from minillm.model.loading import default_weights
@@ -85,23 +128,27 @@ def _load(args: argparse.Namespace) -> tuple[Transformer, Tokenizer]:
 
 
 def generate(args: argparse.Namespace) -> None:
-    from minillm.engine import Engine
-
     params = _sampling_params(args)  # validated before the model loads
-    model, tok = _load(args)
-    if args.chat:  # the prompt is a user message: its text never parses as special tokens
-        prompt_ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
-                      for p in args.prompt]
-    else:
-        prompt_ids = [tok.encode(p) for p in args.prompt]
-    engine = Engine(model, tok, block_size=args.block_size, backend=args.backend)
-    start = time.perf_counter()
-    completions = engine.generate(prompt_ids, params)
+    with _engine(args, block_size=args.block_size) as engine:
+        if engine is None:  # a tensor-parallel rank other than 0: it followed rank 0's steps
+            return
+        tok = engine.tokenizer
+        if args.chat:  # the prompt is a user message: its text never parses as special tokens
+            prompt_ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+                          for p in args.prompt]
+        else:
+            prompt_ids = [tok.encode(p) for p in args.prompt]
+        start = time.perf_counter()
+        completions = engine.generate(prompt_ids, params)
+        elapsed = time.perf_counter() - start
+        stats = engine.speculation_stats
+        backend = engine.backend
     originals = [p for p in args.prompt for _ in range(params.n)]
-    elapsed = time.perf_counter() - start
     n_tokens = sum(len(c.token_ids) for c in completions)
+    speculation = (f", {stats.accepted} of {stats.proposed} drafts kept in {stats.verifications} verifications"
+                   if stats.verifications else "")
     print(f"minillm: {n_tokens} tokens in {elapsed:.2f} s ({n_tokens / elapsed:.1f} tokens/s, "
-          f"backend {engine.backend})", file=sys.stderr)
+          f"backend {backend}{speculation})", file=sys.stderr)
     for prompt, c in zip(originals, completions):
         if args.json:
             record = {"prompt": prompt, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}
@@ -120,11 +167,14 @@ def chat(args: argparse.Namespace) -> None:
     or Ctrl-D at the prompt quits. When the conversation no longer fits the context window,
     the oldest turns are dropped (and the user is told), so a long chat never ends in an error.
     """
-    from minillm.engine import Engine
-
     params = _sampling_params(args)
-    model, tok = _load(args)
-    engine = Engine(model, tok, backend=args.backend)
+    with _engine(args) as engine:
+        if engine is not None:  # (None: a tensor-parallel rank other than 0, done following rank 0)
+            _chat_loop(engine, params)
+
+
+def _chat_loop(engine: Engine, params: SamplingParams) -> None:
+    model, tok = engine.model, engine.tokenizer
     messages: list[dict[str, str]] = []
     print("minillm chat — an empty line, Ctrl-D or Ctrl-C quits; Ctrl-C during an answer stops it.", file=sys.stderr)
     while True:
@@ -163,20 +213,22 @@ def serve(args: argparse.Namespace) -> int:
     """An OpenAI-compatible HTTP server (``minillm.serve``), with a chat page at ``/``. Stops on
     SIGINT (exit status 130, the shell's "interrupted") or SIGTERM (0: a requested stop), after
     draining (``minillm.serve.shutdown``)."""
-    import socket
-
-    from minillm.engine import Engine
-    from minillm.serve import model_name, run_server
-
     # Take the port before loading the model, so a port in use fails at once with a clear message.
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     try:
         sock = socket.create_server((args.host, args.port), family=family)
     except OSError as err:
         raise RuntimeError(f"cannot listen on {args.host}:{args.port}: {err.strerror or err}") from err
-    model, tok = _load(args)
-    engine = Engine(model, tok, max_batch_size=args.max_batch_size, prefix_caching=not args.no_prefix_caching,
-                    prefill_chunk_tokens=args.prefill_chunk_tokens or None, backend=args.backend)
+    with _engine(args, max_batch_size=args.max_batch_size, prefix_caching=not args.no_prefix_caching,
+                 prefill_chunk_tokens=args.prefill_chunk_tokens or None) as engine:
+        if engine is None:  # a tensor-parallel rank other than 0: it followed rank 0's steps
+            return 0
+        return _serve(args, engine, sock, family)
+
+
+def _serve(args: argparse.Namespace, engine: Engine, sock: socket.socket, family: int) -> int:
+    from minillm.serve import model_name, run_server
+
     name = model_name(args.model)
     host = f"[{args.host}]" if family == socket.AF_INET6 else args.host
     print(f"minillm: serving {name} at http://{host}:{args.port}/ (the chat page; the OpenAI API under /v1, "
@@ -265,15 +317,29 @@ def main(argv: list[str] | None = None) -> int:
         sub.add_argument("--logprobs", type=int, default=None, metavar="K",
                          help="generate --json: each token's log-probability and its K best alternatives (0-20)")
 
+    def add_engine_options(sub: argparse.ArgumentParser) -> None:
+        sub.add_argument("--tensor-parallel", type=_positive, default=1, metavar="N",
+                         help="split the model over N CPU processes (notebook 15): run under torchrun "
+                              "--nproc-per-node N (several machines: torchrun's --nnodes), or alone: it starts the "
+                              "other N - 1 itself; each process loads only its slice of the weights")
+        sub.add_argument("--speculative", default=None, metavar="prompt-lookup|draft:PATH",
+                         help="speculative decoding (notebook 14): drafts copied from the prompt and the answer "
+                              "(prompt-lookup), or guessed by a smaller model with the same tokenizer (draft:PATH; "
+                              "draft: alone is the default model in its default weights); the output is the same")
+        sub.add_argument("--num-speculative-tokens", type=_positive, default=4, metavar="K",
+                         help="the most drafts verified per step (default: 4; fewer where they do not pay)")
+
     gen = commands.add_parser("generate", help="complete prompts with a real model")
     gen.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
     add_model_and_sampling(gen)
     gen.add_argument("--block-size", type=_positive, default=16, help="tokens per KV block of the paged cache")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template as a user turn")
     gen.add_argument("--json", action="store_true", help="one JSON object per completion, in prompt order")
+    add_engine_options(gen)
 
     chat_parser = commands.add_parser("chat", help="an interactive streaming chat with the model")
     add_model_and_sampling(chat_parser)
+    add_engine_options(chat_parser)
 
     serve_parser = commands.add_parser(
         "serve", help="an OpenAI-compatible HTTP server with a chat page",
@@ -292,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     serve_parser.add_argument("--backend", default=None, choices=BACKENDS, help=BACKEND_HELP)
     serve_parser.add_argument("--max-batch-size", type=_positive, default=16,
                               help="most requests decoded together in one step (default: 16); more wait in the queue")
+    add_engine_options(serve_parser)
 
     commands.add_parser("demo", help="run the end-to-end demo")
     serve_parser.add_argument("--prefill-chunk-tokens", type=int, default=256,
@@ -319,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     limits.add_argument("--request-timeout", type=_positive_seconds, default=30.0, metavar="SECONDS",
                         help="a request's headers, and then its body, must each arrive within this time; default: 30")
     bench = commands.add_parser("bench", help="benchmarks against the reference libraries")
-    bench.add_argument("target", nargs="?", default="model", choices=["model", "cpu", "tokenizer", "cache", "batching", "context", "latency", "load", "quant", "scheduler", "structured",
+    bench.add_argument("target", nargs="?", default="model", choices=["model", "cpu", "tokenizer", "cache", "batching", "context", "latency", "load", "quant", "scheduler", "structured", "speculative",
                                                                "serve", "gpu"])
     bench.add_argument("--json", action="store_true", help="print the results as one JSON object")
     bench.add_argument("--device", default=None, help="model, serve and gpu benchmarks: device (default: cuda if available)")

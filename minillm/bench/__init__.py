@@ -26,6 +26,7 @@ from minillm.bench import (
     quant,
     scheduler,
     serve,
+    speculative,
     structured,
     tokenizer,
     tp,
@@ -84,6 +85,7 @@ BENCHMARKS: dict[str, tuple[Callable[[argparse.Namespace], dict[str, Any]], Call
     "scheduler": (scheduler.run, print_scheduler_report),
     "serve": (serve.run, print_serve_report),
     "structured": (structured.run, structured.print_structured_report),
+    "speculative": (speculative.run, speculative.print_speculative_report),
     "gpu": (gpu.run, gpu.print_gpu_report),
     "tp": (tp.run, print_tp_report),
 }

@@ -131,19 +131,21 @@ class Group:
 
 def init_group(rank: int, world_size: int, host: str = "127.0.0.1", port: int | None = None,
                timeout: float = 30.0, grace: float = 3.0, store: dist.Store | None = None,
-               backend: str = "gloo") -> Group:
+               backend: str = "gloo", agent_store: bool = False) -> Group:
     """Join the run as ``rank`` of ``world_size`` and return its ``Group``.
 
     The ranks meet through a ``TCPStore`` at ``host:port`` (rank 0 hosts it unless ``store`` is
     given: ``launch.run_ranks`` hosts it in the launching process, so it outlives any rank;
     under ``torchrun`` the defaults come from ``MASTER_ADDR`` / ``MASTER_PORT``). A collective
     that waits longer than ``timeout`` seconds fails; ``grace`` is how long a failing rank
-    waits for the others to check in before it names the silent ones.
+    waits for the others to check in before it names the silent ones. ``agent_store``: torchrun's
+    agent already hosts the store at ``MASTER_PORT`` (``TORCHELASTIC_USE_AGENT_STORE``): every
+    rank, rank 0 too, connects to it.
     """
     if store is None:
         host = os.environ.get("MASTER_ADDR", host)
         port = int(os.environ.get("MASTER_PORT", port or 29500))
-        store = dist.TCPStore(host, port, world_size, is_master=rank == 0,
+        store = dist.TCPStore(host, port, world_size, is_master=rank == 0 and not agent_store,
                               timeout=datetime.timedelta(seconds=timeout))
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout))

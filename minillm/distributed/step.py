@@ -92,6 +92,12 @@ def receive(group: Group, cache: PagedKVCache) -> tuple[int, torch.Tensor | None
     return kind, ids.to(device), step, copies.view(-1, 2).tolist()
 
 
+def receive_pool_size(group: Group) -> tuple[int, int]:
+    """A worker's first message: the (num_blocks, block_size) of rank 0's ``TensorParallelKVCache``."""
+    num_blocks, block_size = group.broadcast(torch.empty(2, dtype=torch.long), control=True).tolist()
+    return num_blocks, block_size
+
+
 def serve_steps(group: Group, backend, cache: PagedKVCache) -> int:
     """A worker rank's whole life: run every step rank 0 sends, on ``cache``'s pools, until it
     sends stop; returns how many steps ran. ``backend`` is the same kind rank 0 runs (its
@@ -137,11 +143,14 @@ class TensorParallelBackend:
 
 
 class TensorParallelKVCache(PagedKVCache):
-    """Rank 0's paged cache: its copy-on-write copies happen on every rank's pools."""
+    """Rank 0's paged cache: its copy-on-write copies happen on every rank's pools. Built, it
+    tells the other ranks its size (``receive_pool_size``), so they build pools of the same blocks."""
 
     def __init__(self, group: Group, config: KVShape, num_blocks: int, block_size: int = 16, **kwargs) -> None:
         super().__init__(config, num_blocks, block_size, **kwargs)
         self.sender = StepSender(group)
+        if group.world_size > 1:
+            group.broadcast(torch.tensor([num_blocks, block_size]), control=True)
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         if copies:

@@ -22,23 +22,33 @@ from __future__ import annotations
 
 import math
 import time
+from functools import partial
 from collections.abc import Iterator, Sequence
 
 import torch
 
 from minillm.cache import BlockManager, PagedKVCache
+from minillm.distributed.group import Group, RankFailure
+from minillm.distributed.step import TensorParallelBackend, TensorParallelKVCache
 from minillm.engine.beam import BeamSearch
 from minillm.engine.draft import DraftModel, make_proposer
 from minillm.engine.request import Completion, Request
 from minillm.engine.runner import ModelRunner
 from minillm.engine.scheduler import ScheduledBatch, Scheduler
 from minillm.engine.scoring import prompt_logprobs
-from minillm.engine.speculation import MAX_SPECULATIVE_TOKENS, Drafts, PromptLookup, Proposer, SpeculationStats, Speculator
+from minillm.engine.speculation import (
+    MAX_SPECULATIVE_TOKENS,
+    Drafts,
+    PromptLookup,
+    Proposer,
+    SpeculationStats,
+    Speculator,
+)
 from minillm.engine.tokens import take_tokens
 from minillm.errors import GenerationError
 from minillm.model.llama import Transformer
-from minillm.sampling.speculative import Acceptance
 from minillm.sampling import SamplingParams, SamplingState, TokenLogprob, make_generator
+from minillm.sampling.speculative import Acceptance
 from minillm.structured import GrammarState, token_index
 from minillm.tokenizer import Tokenizer
 
@@ -113,6 +123,10 @@ class Engine:
             "draft:PATH" (a smaller model with the same tokenizer drafts; "draft:" alone: the
             default model), or a proposer object (``minillm.DraftModel(model)``). None (the
             default): only requests that ask (``speculative=True``) speculate, by prompt lookup.
+        tensor_parallel: run ``model`` (this rank's shard, ``minillm.distributed.load_tensor_parallel``)
+            as rank 0 of this ``Group``: the engine schedules and samples here and sends every step
+            to the other ranks, which run ``engine.tensor_parallel.follow`` (see that module);
+            ``close()`` releases them. Eager backend only.
         num_speculative_tokens: the most drafts a request verifies per step.
         adaptive_speculation: verify only as many drafts as pay, by the measured cost of a step
             and each request's acceptance rate (``speculation.py``); False: always up to
@@ -134,6 +148,7 @@ class Engine:
         speculative: str | Proposer | None = None,
         num_speculative_tokens: int = 4,
         adaptive_speculation: bool = True,
+        tensor_parallel: Group | None = None,
     ) -> None:
         max_batch_size = _positive_int("max_batch_size", max_batch_size, MAX_BATCH_SIZE)
         if prefill_chunk_tokens is not None:
@@ -145,9 +160,15 @@ class Engine:
         self.tokenizer = tokenizer
         tokens = kv_cache_tokens or max_batch_size * 1024
         num_blocks = math.ceil(tokens / block_size)
+        parallel = tensor_parallel is not None and tensor_parallel.world_size > 1
+        if parallel and backend not in (None, "eager"):
+            raise ValueError(f"a tensor-parallel engine runs the eager backend, not {backend!r}")
         try:
-            self.cache = PagedKVCache(model.config, num_blocks, block_size, model.device, model.dtype,
-                                      prefix_caching=prefix_caching)
+            self.cache = (partial(TensorParallelKVCache, tensor_parallel) if parallel else PagedKVCache)(
+                model.config, num_blocks, block_size, device=model.device, dtype=model.dtype,
+                prefix_caching=prefix_caching)
+        except RankFailure:  # (a tensor-parallel rank went away while the pools were being sized)
+            raise
         except (MemoryError, RuntimeError) as err:  # the allocator's own message often names no size
             gib = 2 * model.config.n_layers * (num_blocks + 1) * model.config.n_kv_heads * block_size \
                 * model.config.head_dim * model.dtype.itemsize / 2**30
@@ -156,7 +177,9 @@ class Engine:
             raise ValueError(f"a KV cache of {num_blocks:,} blocks of {block_size} tokens ({asked}) needs "
                              f"{gib:,.1f} GiB on {model.device}, which could not be allocated"
                              f"{f' ({err})' if str(err) else ''}: ask for fewer tokens") from err
-        self.runner = ModelRunner(model, self.cache, backend)
+        self.runner = ModelRunner(model, self.cache, "eager" if parallel else backend)
+        if parallel:  # every step goes to the other ranks first (the scheduler and the sampler stay here)
+            self.runner.backend = TensorParallelBackend(self.runner.backend, tensor_parallel)
         default_eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
         self.eos_ids = frozenset(eos_ids if eos_ids is not None else default_eos)
         self.scheduler = Scheduler(self.cache.manager, max_batch_size, prefill_chunk_tokens)
@@ -167,11 +190,25 @@ class Engine:
             proposer.bind(model.config.vocab_size, num_blocks * block_size, block_size)
         self.speculator = Speculator(proposer, k, bool(adaptive_speculation))
         self.speculates_by_default = speculative is not None
+        self._closed = False
 
     @property
     def backend(self) -> str:
         """The backend that runs this engine's steps: "eager", "compiled" or "packed-cpu"."""
         return self.runner.backend.name
+
+    def close(self) -> None:
+        """Release a tensor-parallel run's other ranks (they return from ``follow``); nothing to do
+        otherwise. The engine cannot step afterwards."""
+        if isinstance(self.runner.backend, TensorParallelBackend) and not self._closed:
+            self.runner.backend.stop()
+        self._closed = True
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def speculation_stats(self) -> SpeculationStats:

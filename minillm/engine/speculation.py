@@ -17,7 +17,8 @@ Whether a draft pays depends on the backend: a verify step with ``n`` rows costs
 nearly ``t(1)`` where the step streams float weights once, about ``n`` times it where packed
 4-bit kernels pay per row. ``StepCosts`` measures ``t`` as the engine runs; ``plan_drafts`` adds
 draft tokens while they raise the step's expected tokens per second: the ``j``-th draft of a
-request is kept with probability ``a**j`` (``a``: that request's measured acceptance rate), so
+request is kept with probability ``a**j`` (``a``: that request's measured acceptance rate,
+``sampling.speculative.Acceptance``), so
 it is worth adding to a step expecting ``E`` tokens in ``t(n)`` seconds when
 ``(E + a**j) / t(n + 1) > E / t(n)``. Speculation that does not pay therefore switches itself
 off (an open-ended answer rarely repeats its prompt), and a request that stopped speculating
@@ -37,7 +38,6 @@ import torch
 from minillm.engine.proposers import prompt_lookup
 from minillm.engine.request import Request
 from minillm.engine.sequence import SequenceGroup
-from minillm.sampling.speculative import Acceptance
 
 MAX_SPECULATIVE_TOKENS = 32  # drafts per request per step; past ~8 the chance of keeping them all is slim
 

@@ -16,7 +16,8 @@ them gives its distributions ``p_1..p_{k+1}`` at once (position ``i`` predicts t
   rejection (``(1 - sum_y min(p(y), q(y))) * (p(x) - min(p(x), q(x))) / that same mass``), and the
   two add up to ``p(x)``. A deterministic proposer (prompt lookup) has a one-hot ``q``.
 
-Each function returns the tokens to append: between 1 and ``k + 1`` of them.
+Each function returns the tokens to append: between 1 and ``k + 1`` of them. ``Acceptance``
+keeps a request's running estimate of how often its drafts are kept (the engine sizes ``k`` by it).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Two kinds of numbers. What the engine thread counts as it serves (tokens, finished requests by
 reason, time to first token, time per output token) goes into the library's counters and
-histograms. The engine's own state (queue, batch, KV blocks, prefix cache, preemptions) is
+histograms. The engine's own state (queue, batch, KV blocks, prefix cache, preemptions, drafts) is
 published by the engine thread after each loop iteration as one ``EngineSnapshot``, and a
 collector turns the latest one into samples at scrape time, so ``/metrics`` never reads the
 Engine. Each ``Metrics`` has a registry of its own: two servers in one process keep their counts
@@ -39,6 +39,8 @@ class EngineSnapshot:
     preemptions: int = 0
     prefix_cache_hits: int = 0  # prompt tokens found in the prefix cache
     prefix_cache_queries: int = 0  # prompt tokens looked up in it
+    drafts_proposed: int = 0  # speculative decoding's drafted tokens verified
+    drafts_accepted: int = 0  # of those, kept
 
 
 class Metrics:
@@ -126,6 +128,12 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily("minillm_preemptions_total",
                                   "Requests sent back to the queue because the KV pool ran out.",
                                   value=engine.preemptions)
+        yield CounterMetricFamily("minillm_speculative_drafts_total",
+                                  "Drafted tokens verified by speculative decoding (--speculative).",
+                                  value=engine.drafts_proposed)
+        yield CounterMetricFamily("minillm_speculative_drafts_accepted_total",
+                                  "Drafted tokens the model agreed with, kept without a step of their own.",
+                                  value=engine.drafts_accepted)
         yield GaugeMetricFamily("minillm_generated_tokens_per_second",
                                 f"Tokens generated per second over the last {RATE_WINDOW_S:g} s.",
                                 value=round(self.metrics.tokens_per_second(), 3))

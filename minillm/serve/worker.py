@@ -303,5 +303,7 @@ class EngineWorker:
             # prompt tokens found in the prefix cache, of all prompt tokens admitted
             prefix_cache_hits=engine.cached_prompt_tokens,
             prefix_cache_queries=engine.prompt_tokens,
+            drafts_proposed=engine.speculation_stats.proposed,
+            drafts_accepted=engine.speculation_stats.accepted,
         ))
 

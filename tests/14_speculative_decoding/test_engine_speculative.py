@@ -6,10 +6,12 @@ step's agree to the last bit that matters); a smaller tiny model with the same t
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
 import torch
+from helpers.checkpoints import tiny_hf_checkpoint
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
@@ -18,8 +20,6 @@ import minillm
 from minillm import DraftModel, Engine, SamplingParams
 from minillm.engine.speculation import Drafts
 from minillm.sampling import filtered_distribution
-
-from helpers.checkpoints import tiny_hf_checkpoint
 
 DRAFT_NOISE = 0.3
 TEXT = "the king is dead, long live the king! the king is dead, long live the queen"
@@ -176,7 +176,7 @@ def test_draft_model_sampling_keeps_the_targets_distribution(models, config):
 
 def test_a_residual_that_is_the_target_itself_fails_the_same_test(models, monkeypatch):
     """The classic mistake, after a rejection drawing from p instead of max(0, p - q)."""
-    import minillm.sampling.sampler as sampler
+    from minillm.sampling import sampler
 
     def broken(p, token, q, generator=None):
         if torch.rand((), generator=generator) * q[token] < p[token]:
@@ -230,3 +230,36 @@ def test_a_draft_model_with_another_vocabulary_is_refused(models, tmp_path, tiny
     draft, _ = minillm.load_model(other, device="cpu", dtype="float64")
     with pytest.raises(ValueError, match="share the target's tokenizer"):
         Engine(model, tok, backend="eager", speculative=DraftModel(draft))
+
+
+def test_the_cli_speculates_with_the_same_output(models, tmp_path, tiny_tokenizer, capsys):
+    from minillm import __main__ as cli
+
+    folder = tiny_hf_checkpoint(tmp_path / "tiny", tiny_tokenizer, "llama", vocab_size=tiny_tokenizer.vocab_size)
+    base = ["generate", "--model", str(folder), "--backend", "eager", "--json", "--prompt", TEXT, "--prompt", "long live",
+            "--max-new-tokens", "20"]
+    records = {}
+    for extra in ([], ["--speculative", "prompt-lookup", "--num-speculative-tokens", "3"], ["--speculative", f"draft:{folder}"]):
+        assert cli.main(base + extra) == 0
+        out = capsys.readouterr()
+        records[tuple(extra)] = [json.loads(line)["token_ids"] for line in out.out.splitlines()]
+        if extra:
+            assert "drafts kept" in out.err
+    assert len(set(map(str, records.values()))) == 1
+    assert cli.main(base + ["--speculative", "medusa"]) != 0
+    assert "speculative must be" in capsys.readouterr().err
+
+
+def test_the_server_speculates_with_the_same_answers_and_counts_drafts(models):
+    from helpers.serving import serving
+
+    model, tok, _ = models
+    reference = _engine(models).generate([TEXT, "the queen is"], SamplingParams(max_new_tokens=16, ignore_eos=True))
+    engine = Engine(model, tok, backend="eager", speculative="prompt-lookup", kv_cache_tokens=1024)
+    with serving(engine, "tiny") as served:
+        for prompt, expected in zip([TEXT, "the queen is"], reference):
+            answer = served.client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0,
+                                                      extra_body={"ignore_eos": True})
+            assert answer.choices[0].text == expected.text
+        metrics = served.metrics()
+    assert 0 < metrics["minillm_speculative_drafts_accepted_total"] <= metrics["minillm_speculative_drafts_total"]

@@ -8,11 +8,10 @@ overwritten)."""
 from __future__ import annotations
 
 import torch
+from helpers.checkpoints import tiny_hf_checkpoint
 
 import minillm
 from minillm import Engine
-
-from helpers.checkpoints import tiny_hf_checkpoint
 
 
 def _full_logits(model, ids):
