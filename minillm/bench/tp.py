@@ -51,9 +51,10 @@ from minillm.cache.paged import PagedKVCache
 from minillm.distributed.group import Group
 from minillm.distributed.launch import run_ranks
 from minillm.distributed.loader import load_tensor_parallel, read_config
-from minillm.distributed.step import TensorParallelBackend, TensorParallelKVCache, serve_steps
+from minillm.distributed.step import TensorParallelBackend, TensorParallelKVCache, receive_pool_size, serve_steps
 from minillm.engine.backends.eager import EagerBackend
 from minillm.engine.runner import ModelRunner
+from minillm.engine.tensor_parallel import follow
 from minillm.model.loading import DTYPES, convert_gguf, load_model
 from minillm.tokenizer import Tokenizer
 
@@ -169,7 +170,7 @@ def measure_ranks(group: Group, source: str | None, dtype: str, prompts: list[li
     meter = CollectiveMeter(group)
     schedule = [(batch, phase) for _ in range(rounds) for batch in batches for phase in PHASES]
     if group.rank:
-        cache = PagedKVCache(local, num_blocks, BLOCK_SIZE, dtype=model.dtype)
+        cache = PagedKVCache(local, *receive_pool_size(group), dtype=model.dtype)  # rank 0's cache says its size
         backend = DecodeCounted(EagerBackend(model), meter)
         waits: dict[str, list[float]] = {f"b{batch}": [] for batch in batches}
         for batch, phase in schedule:
@@ -218,17 +219,17 @@ def measure_ranks(group: Group, source: str | None, dtype: str, prompts: list[li
 def greedy_on_ranks(group: Group, source: str | None, dtype: str, prompt: list[int], new_tokens: int) -> dict:
     """Greedy decoding of ``prompt`` on ``group.world_size`` ranks, the engine's way: every rank
     loads its shard; rank 0 plans and samples, and returns the tokens and the logits of every
-    step; each other rank serves rank 0's steps. Every rank reports its share of the model."""
+    step; each other rank follows them (``Engine(model, tok, tensor_parallel=group)`` does rank 0's
+    part for every request). Every rank reports its share of the model."""
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // group.world_size))  # its share of the cores (torchrun: 1)
     model, _, shard = load_tensor_parallel(source, group, dtype=dtype)
     local = shard.local_config(model.config)
     held = {"rank": group.rank, "q_heads": shard.q_heads, "kv_heads": shard.kv_heads, "ffn": shard.ffn,
             "vocab": shard.vocab, "parameters": sum({p.data_ptr(): p.numel() for p in model.parameters()}.values())}
-    blocks = -(-(len(prompt) + new_tokens) // BLOCK_SIZE) + 1
-    if group.rank:  # a worker: runs the steps rank 0 sends, until it says stop
-        cache = PagedKVCache(local, blocks, BLOCK_SIZE, dtype=model.dtype)
-        return {**held, "steps": serve_steps(group, EagerBackend(model), cache)}
-    cache = TensorParallelKVCache(group, local, blocks, BLOCK_SIZE, dtype=model.dtype)
+    if group.rank:  # a worker: pools the size of rank 0's, then runs the steps rank 0 sends until it says stop
+        return {**held, "steps": follow(group, model)}
+    blocks = -(-(len(prompt) + new_tokens) // BLOCK_SIZE)
+    cache = TensorParallelKVCache(group, local, blocks, BLOCK_SIZE, dtype=model.dtype)  # tells the others its size
     runner = ModelRunner(model, cache, backend="eager")
     runner.backend = TensorParallelBackend(runner.backend, group)  # sends each step to the others first
     cache.add_sequence(0)

@@ -27,7 +27,7 @@ def test_the_package_keeps_every_name_it_is_imported_by():
     missing = [name for name in NAMES if not hasattr(bench, name)]
     assert not missing
     assert set(bench.BENCHMARKS) == {"model", "cpu", "tokenizer", "cache", "batching", "context", "latency", "load",
-                                     "quant", "scheduler", "serve", "structured", "gpu", "tp"}
+                                     "quant", "scheduler", "serve", "structured", "gpu", "speculative", "tp"}
 
 
 def test_bench_structured_reports_both_batches_and_a_missing_peer(capsys):
