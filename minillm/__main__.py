@@ -386,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     limits.add_argument("--request-timeout", type=_positive_seconds, default=30.0, metavar="SECONDS",
                         help="a request's headers, and then its body, must each arrive within this time; default: 30")
     bench = commands.add_parser("bench", help="benchmarks against the reference libraries")
-    bench.add_argument("target", nargs="?", default="model", choices=["model", "cpu", "tokenizer", "cache", "batching", "context", "latency", "load", "quant", "scheduler", "structured", "speculative",
+    bench.add_argument("target", nargs="?", default="model", choices=["model", "cpu", "tokenizer", "cache", "batching", "context", "latency", "load", "quant", "scheduler", "structured", "speculative", "tp",
                                                                "serve", "gpu"])
     bench.add_argument("--json", action="store_true", help="print the results as one JSON object")
     bench.add_argument("--device", default=None, help="model, serve and gpu benchmarks: device (default: cuda if available)")

@@ -1,10 +1,11 @@
 """``bench speculative``: what speculative decoding buys, against plain decoding in the same run.
 
-Greedy, batch 1, on two kinds of prompt: *input-grounded* (repeat, correct or annotate a given
-passage or function: the answer copies long runs of its prompt) and *open-ended* (a story, an
-explanation: little to copy). For each weight format, the engine plain, with prompt lookup
-(adaptive: as many drafts as pay), and with a fixed k = 2, 4, 8 drafts, the configurations
-taking turns in rounds; tokens/s is each round's tokens over its time, ratios are taken round
+Greedy, batch 1, on two kinds of prompt: *input-grounded* (correct a given passage, add type
+hints to a given function, quote a given passage: the answer copies long runs of its prompt) and
+*open-ended* (a story, an explanation: little to copy). For each weight format, the engine plain,
+with prompt lookup (adaptive: as many drafts as pay), and with a fixed k = 2, 4, 8 drafts, the
+configurations taking turns in rounds. Decode tokens/s: each round's generated tokens (after the
+first) over its time less the prompts' prefill, timed in the same round; ratios are taken round
 by round. The outputs are checked identical to plain decoding's.
 
 Peers, each against its own plain decoding on the same prompts: transformers'
@@ -29,18 +30,20 @@ FUNCTION = ('def moving_average(values, window):\n    if window <= 0:\n        r
             'positive")\n    out = []\n    total = 0.0\n    for i, v in enumerate(values):\n        total += v\n'
             '        if i >= window:\n            total -= values[i - window]\n        if i >= window - 1:\n'
             '            out.append(total / window)\n    return out\n')
+# (kind, text): "chat" wraps the text in the chat template as a user turn; "text" is a raw completion
 GROUNDED = [
-    "Repeat the following text exactly, word for word:\n\n" + PASSAGE,
-    "Fix the spelling mistakes in this text and return the corrected text:\n\n"
-    + PASSAGE.replace("history", "histroy").replace("combined", "combinned").replace("Europe", "Eurpoe"),
-    "Add type hints and a docstring to this Python function, and return the whole function:\n\n" + FUNCTION,
+    ("chat", "Correct the typos in the following text. Reply with the corrected text only.\n\n"
+     + PASSAGE.replace("history", "histroy").replace("combined", "combinned").replace("Europe", "Eurpoe")),
+    ("chat", "Here is a function:\n\n" + FUNCTION + "\nRewrite it with type hints. Reply with the code only."),
+    ("text", "Original text:\n" + PASSAGE + "\n\nThe same text, quoted exactly:\n"),
 ]
 OPEN_ENDED = [
-    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
-    "Explain why the sky is blue to a ten-year-old.",
-    "Give me five ideas for a weekend trip in the mountains, with a sentence on each.",
+    ("chat", "Write a short story about a lighthouse keeper who finds a message in a bottle."),
+    ("chat", "Explain why the sky is blue to a ten-year-old."),
+    ("chat", "Give me five ideas for a weekend trip in the mountains, with a sentence on each."),
 ]
 KS = (2, 4, 8)
+PEER_KS = (10,)  # the peers' own defaults: llama-cpp-python's num_pred_tokens, transformers' examples
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -54,7 +57,7 @@ def bench_speculative(new_tokens: int = 128, rounds: int = 3, weights: tuple[str
     r: dict[str, Any] = {"new_tokens": new_tokens, "rounds": rounds}
     for w in weights:
         model, tok = load_model(weights=w)
-        prompts = {kind: [_chat(tok, p) for p in texts] for kind, texts in (("grounded", GROUNDED), ("open", OPEN_ENDED))}
+        prompts = {kind: [_ids(tok, p) for p in texts] for kind, texts in (("grounded", GROUNDED), ("open", OPEN_ENDED))}
         r[w] = _engine_runs(model, tok, prompts, new_tokens, rounds)
         r[w]["batch8"] = _batch8(model, tok, prompts, new_tokens, rounds)
         if peers and w == "float32":
@@ -64,12 +67,16 @@ def bench_speculative(new_tokens: int = 128, rounds: int = 3, weights: tuple[str
     return r
 
 
-def _chat(tok: Any, text: str) -> list[int]:
-    return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+def _ids(tok: Any, prompt: tuple[str, str]) -> list[int]:
+    kind, text = prompt
+    if kind == "chat":
+        return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    return tok.encode(text)
 
 
 def _engine_runs(model: Any, tok: Any, prompts: dict[str, list[list[int]]], new_tokens: int, rounds: int) -> dict[str, Any]:
     from minillm.engine import Engine
+    from minillm.engine.speculation import SpeculationStats
     from minillm.sampling import SamplingParams
 
     params = SamplingParams(max_new_tokens=new_tokens)
@@ -85,10 +92,12 @@ def _engine_runs(model: Any, tok: Any, prompts: dict[str, list[list[int]]], new_
         same = {}
         for name, engine in engines.items():
             same[name] = [[c.token_ids] for c in [engine.generate([p], params)[0] for p in ids]] == [[t] for t in reference]
-            engine.speculator.stats.__init__()  # count the timed rounds only
-        runs = interleaved({name: (lambda e=e: [e.generate([p], params) for p in ids]) for name, e in engines.items()},
+            engine.speculator.stats = SpeculationStats()  # count the timed rounds only
+        first = SamplingParams(max_new_tokens=1)  # the prompts' prefill (and first token), the same for every engine
+        runs = interleaved({"prefill": lambda: [engines["plain"].generate([p], first) for p in ids],
+                            **{name: (lambda e=e: [e.generate([p], params) for p in ids]) for name, e in engines.items()}},
                            rounds)
-        tok_s = {name: [tokens / t for t in m.times] for name, m in runs.items()}
+        tok_s = _decode_rates(runs, tokens - len(ids))
         out[kind] = {"tokens": tokens, "identical": same,
                      **{name: {"tok_s": max(tok_s[name]), "ratio": ratio_range(tok_s[name], tok_s["plain"]),
                                "accepted_per_verification": engines[name].speculation_stats.mean_accepted_length,
@@ -125,20 +134,20 @@ def _transformers(prompts: dict[str, list[list[int]]], new_tokens: int, rounds: 
     model = hf_causal_lm()
     out: dict[str, Any] = {}
     for kind, ids in prompts.items():
-        def gen(lookup: int | None, ids: list[list[int]] = ids) -> int:
+        def gen(lookup: int | None, limit: int = new_tokens, ids: list[list[int]] = ids) -> int:
             n = 0
             for p in ids:
                 x = torch.tensor([p])
                 extra = {"prompt_lookup_num_tokens": lookup} if lookup else {}
-                y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, do_sample=False,
+                y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=limit, do_sample=False,
                                    **extra)
                 n += y.shape[1] - x.shape[1]
             return n
 
         tokens = gen(None)  # warm-up
-        fns = {"plain": lambda: gen(None), **{f"k={k}": (lambda k=k: gen(k)) for k in (4, 10)}}
-        runs = interleaved(fns, rounds)
-        tok_s = {name: [tokens / t for t in m.times] for name, m in runs.items()}
+        fns = {"prefill": lambda: gen(None, 1), "plain": lambda: gen(None),
+               **{f"k={k}": (lambda k=k: gen(k)) for k in PEER_KS}}
+        tok_s = _decode_rates(interleaved(fns, rounds), tokens - len(ids))
         out[kind] = {name: {"tok_s": max(v), "ratio": ratio_range(v, tok_s["plain"])} for name, v in tok_s.items()}
     return out
 
@@ -156,24 +165,30 @@ def _llama_cpp(prompts: dict[str, list[list[int]]], new_tokens: int, rounds: int
 
     threads = torch.get_num_threads()
     llms = {"plain": Llama(model_path=str(default_gguf_path()), n_threads=threads, n_ctx=1024, verbose=False)}
-    for k in (4, 10):
+    for k in PEER_KS:
         llms[f"k={k}"] = Llama(model_path=str(default_gguf_path()), n_threads=threads, n_ctx=1024, verbose=False,
                                draft_model=LlamaPromptLookupDecoding(num_pred_tokens=k))
     out: dict[str, Any] = {}
     for kind, ids in prompts.items():
-        def gen(llm: Any, ids: list[list[int]] = ids) -> int:
+        def gen(llm: Any, limit: int = new_tokens, ids: list[list[int]] = ids) -> int:
             n = 0
             for p in ids:
                 llm.reset()
-                result = llm.create_completion(p, max_tokens=new_tokens, temperature=0.0, top_k=1)
+                result = llm.create_completion(p, max_tokens=limit, temperature=0.0, top_k=1)
                 n += result["usage"]["completion_tokens"]
             return n
 
         tokens = gen(llms["plain"])  # warm-up
-        runs = interleaved({name: (lambda llm=llm: gen(llm)) for name, llm in llms.items()}, rounds)
-        tok_s = {name: [tokens / t for t in m.times] for name, m in runs.items()}
+        fns = {"prefill": lambda: gen(llms["plain"], 1), **{name: (lambda llm=llm: gen(llm)) for name, llm in llms.items()}}
+        tok_s = _decode_rates(interleaved(fns, rounds), tokens - len(ids))
         out[kind] = {name: {"tok_s": max(v), "ratio": ratio_range(v, tok_s["plain"])} for name, v in tok_s.items()}
     return out
+
+
+def _decode_rates(runs: dict[str, Any], decoded: int) -> dict[str, list[float]]:
+    """Decode tokens/s of each run, round by round: its time less that round's "prefill" run."""
+    prefill = runs.pop("prefill").times
+    return {name: [decoded / max(t - p, 1e-9) for t, p in zip(m.times, prefill)] for name, m in runs.items()}
 
 
 def print_speculative_report(r: dict[str, Any]) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import multiprocessing as mp
+import os
 import pickle
 import queue
 import time
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from minillm.distributed.group import Group, init_group
@@ -36,9 +38,18 @@ class RankResult:
     exitcode: int | None = None
 
 
+def share_cores(world_size: int) -> None:
+    """Give this rank its share of the machine's cores (torchrun sets ``OMP_NUM_THREADS=1``
+    itself): each rank using every core makes ranks of one machine fight over them, tenfold
+    slower on two cores."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+
+
 def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, timeout: float, grace: float,
            args: tuple, results: mp.Queue) -> None:
     """A rank's process: join the group, run ``fn(group, *args)``, report, leave."""
+    share_cores(world_size)
     store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
                           timeout=datetime.timedelta(seconds=timeout))
     try:

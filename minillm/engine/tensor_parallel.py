@@ -24,6 +24,7 @@ import torch
 
 from minillm.cache import PagedKVCache
 from minillm.distributed.group import Group, init_group
+from minillm.distributed.launch import share_cores
 from minillm.distributed.loader import load_tensor_parallel
 from minillm.distributed.step import receive_pool_size, serve_steps
 from minillm.engine.backends.eager import EagerBackend
@@ -83,6 +84,7 @@ def start(world_size: int, source: str | None, weights: str | None) -> Run:
                            agent_store=os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
         workers = []
     else:
+        share_cores(world_size)
         store = torch.distributed.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
         ctx = mp.get_context("spawn")  # (a forked copy of a process running torch's threads can hang)
         workers = [ctx.Process(target=_worker, args=(rank, world_size, store.port, source, weights), daemon=True)
@@ -96,6 +98,7 @@ def start(world_size: int, source: str | None, weights: str | None) -> Run:
 
 def _worker(rank: int, world_size: int, port: int, source: str | None, weights: str | None) -> None:
     """A rank this process started: join, load the shard, follow rank 0 until it closes."""
+    share_cores(world_size)
     store = torch.distributed.TCPStore("127.0.0.1", port, world_size, is_master=False)
     try:
         group = init_group(rank, world_size, timeout=COLLECTIVE_TIMEOUT_S, store=store)
