@@ -411,10 +411,13 @@ class Engine:
                 if phase == "prefill":
                     batch, drafts = self.scheduler.schedule_prefill(), {}
                 else:  # (a speculating request's drafts make it a verify step)
+                    start = time.perf_counter()
                     drafts = self.speculator.drafts(self.running, self.model.config.max_position_embeddings)
                     batch = self.scheduler.schedule_decode({s: d.tokens for s, d in drafts.items()})
                 if batch.seq_ids:
                     events += self._forward(batch, drafts)
+                    if not batch.is_prefill:  # what the decode phase cost, by rows: what drafts are weighed by
+                        self.speculator.costs.record(sum(map(len, batch.token_ids)), time.perf_counter() - start)
                 self.scheduler.postprocess()
         except BaseException:
             for unit in [p.unit for p in self.prefilling] + self.running:
@@ -426,15 +429,12 @@ class Engine:
         """Run one planned forward, then give each unit that takes a step its logits rows: the
         requests' rows go through the sampler, a beam search's through its search."""
         self.cache.copy_blocks(batch.copies)
-        start = time.perf_counter()
         if batch.is_prefill:
             logits = self.runner.prefill(batch.seq_ids, batch.token_ids)
         elif batch.verifies:
             logits = self.runner.verify(batch.seq_ids, batch.token_ids)
         else:
             logits = self.runner.decode(batch.seq_ids, [tokens[0] for tokens in batch.token_ids])
-        if not batch.is_prefill:
-            self.speculator.costs.record(len(logits), time.perf_counter() - start)
         self.scheduler.mark_computed(batch)
         sampled = [(unit, rows) for unit, rows in batch.outputs if unit.params.num_beams == 1]
         events = take_tokens(sampled, logits, drafts if batch.verifies else {}, self.speculator)

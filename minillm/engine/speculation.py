@@ -13,14 +13,14 @@ rolls the cache back past the rejected ones (``Scheduler.rollback``). Proposers:
   draws, from the same random stream, as without speculation.
 * ``DraftModel`` (``draft.py``): a smaller or more quantized model with the same tokenizer.
 
-Whether a draft pays depends on the backend: a verify step with ``n`` rows costs ``t(n)``,
+Whether a draft pays depends on the backend: a decode step with ``n`` rows costs ``t(n)``,
 nearly ``t(1)`` where the step streams float weights once, about ``n`` times it where packed
-4-bit kernels pay per row. ``StepCosts`` measures ``t`` as the engine runs; ``plan_drafts`` adds
-draft tokens while they raise the step's expected tokens per second: the ``j``-th draft of a
-request is kept with probability ``a**j`` (``a``: that request's measured acceptance rate,
-``sampling.speculative.Acceptance``), so
-it is worth adding to a step expecting ``E`` tokens in ``t(n)`` seconds when
-``(E + a**j) / t(n + 1) > E / t(n)``. Speculation that does not pay therefore switches itself
+4-bit kernels pay per row. ``StepCosts`` measures ``t`` as the engine runs (the whole decode
+phase: proposing, the forward, the sampler); the ``j``-th draft of a request is kept with
+probability ``a**j`` (``a``: that request's measured acceptance rate,
+``sampling.speculative.Acceptance``); ``plan_drafts`` takes the number of drafts, most likely
+first, that gives the step the most expected tokens per second, ``E(n) / t(rows + n)``.
+Speculation that does not pay therefore switches itself
 off (an open-ended answer rarely repeats its prompt), and a request that stopped speculating
 drifts back to the prior rate and tries again later.
 """
@@ -122,20 +122,33 @@ class StepCosts:
 
 def plan_drafts(rates: Sequence[float], caps: Sequence[int], rows: int, cost: Callable[[int], float | None],
                 seconds_per_draft: float = 0.0) -> list[int]:
-    """How many drafts each request verifies this step: greedily, the draft most likely to be
-    kept first, while each raises the step's expected tokens per second. ``rows`` is the step
-    without drafts (one token each, for sure); ``caps[i]`` the most request ``i`` may take."""
-    counts = [0] * len(rates)
+    """How many drafts each request verifies this step: the drafts most likely to be kept
+    first, as many of them as give the step the most expected tokens per second. ``rows`` is the
+    step without drafts (one token each, for sure); ``caps[i]`` the most request ``i`` may take.
+
+    Every prefix of that order is weighed, not only the next draft: a step's cost can jump (a
+    kernel that takes rows four at a time), so a draft that does not pay alone may pay with the
+    two after it."""
     candidates = sorted(((rate ** j, -j, i) for i, (rate, cap) in enumerate(zip(rates, caps))
                          for j in range(1, cap + 1)), reverse=True)
-    expected, n = float(rows), rows
-    for value, _, i in candidates:
-        now, then = cost(n), cost(n + 1)
-        if now is not None and then is not None and value * now <= expected * (then - now + seconds_per_draft):
+    base = cost(rows)
+    expected, best, best_rate = float(rows), 0, None
+    for n, (value, _, _) in enumerate(candidates, start=1):
+        if value <= 0:
             break
-        counts[i] += 1
         expected += value
-        n += 1
+        seconds = cost(rows + n)
+        if base is None or seconds is None:  # nothing measured yet: optimism, which measures it
+            best = n
+            continue
+        rate = expected / (seconds + n * seconds_per_draft)
+        if best_rate is None:
+            best_rate = rows / base
+        if rate > best_rate:
+            best, best_rate = n, rate
+    counts = [0] * len(rates)
+    for _, _, i in candidates[:best]:
+        counts[i] += 1
     return counts
 
 
