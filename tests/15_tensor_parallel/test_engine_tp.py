@@ -10,12 +10,14 @@ line's own launch (``--tensor-parallel 2`` without torchrun) prints what one pro
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from helpers.checkpoints import tiny_hf_checkpoint
@@ -113,13 +115,51 @@ def test_the_command_line_prints_one_process_output(folder, one_process_output, 
 
 def _same_where_clear(folder: Path, one_out: str, two_out: str) -> None:
     one, two = ([json.loads(line) for line in out.splitlines()] for out in (one_out, two_out))
-    model, tok = load_model(folder, device="cpu", dtype="float64")
     assert len(one) == len(two) == 2
     for a, b in zip(one, two):
-        ids = tok.encode(a["prompt"])
-        with torch.no_grad():  # the logits that chose each token of the one-process output
-            logits = model(torch.tensor([ids + a["token_ids"]]))[0, len(ids) - 1:-1]
-        top2 = logits.topk(2).values
-        clear = (top2[:, 0] - top2[:, 1] > 1e-3).tolist()
-        n = clear.index(False) if False in clear else len(clear)
+        n = _clear_prefix(folder, a)
         assert n > 0 and b["token_ids"][:n] == a["token_ids"][:n]
+
+
+def _clear_prefix(folder: Path, record: dict) -> int:
+    """How many of a one-process output's tokens were chosen by a clear margin (the float64
+    model's best logit ahead of the second by more than 1e-3), from the first."""
+    model, tok = load_model(folder, device="cpu", dtype="float64")
+    ids = tok.encode(record["prompt"])
+    with torch.no_grad():  # the logits that chose each token of the output
+        logits = model(torch.tensor([ids + record["token_ids"]]))[0, len(ids) - 1:-1]
+    top2 = logits.topk(2).values
+    clear = (top2[:, 0] - top2[:, 1] > 1e-3).tolist()
+    return clear.index(False) if False in clear else len(clear)
+
+
+def test_serve_tensor_parallel_answers_the_openai_client_as_one_process(folder, one_process_output, tmp_path):
+    """``serve --tensor-parallel 2``: the greedy completions the openai client gets are one
+    process's (compared as above), and SIGTERM stops both ranks."""
+    from openai import OpenAI
+
+    port = _free_port()
+    log = (tmp_path / "stderr.txt").open("w+")  # (a file: a pipe nobody reads fills up and blocks the server)
+    server = subprocess.Popen([sys.executable, "-m", "minillm", "serve", "--model", str(folder), "--port", str(port),
+                               "--tensor-parallel", "2"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").json()["status"] == "ok":
+                    break
+            except httpx.TransportError:
+                pass
+            assert server.poll() is None and time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.2)
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        texts = [client.completions.create(model="tiny", prompt=r["prompt"], max_tokens=16, temperature=0).choices[0].text
+                 for r in map(json.loads, one_process_output.splitlines())]
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(60) == 0
+    finally:
+        server.kill()
+    _, tok = load_model(folder, device="cpu")
+    for record, text in zip(map(json.loads, one_process_output.splitlines()), texts):
+        n = _clear_prefix(folder, record)
+        assert n > 0 and text.startswith(tok.decode(record["token_ids"][:n]))
