@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import minillm
-from minillm.engine import engine as engine_module
+from minillm.engine import tokens as tokens_module
 from minillm.engine.beam import BeamSearch
 from minillm.sampling import SamplingParams
 
@@ -226,7 +226,7 @@ def test_random_request_streams_with_prefix_caching_end_whole_and_answer_as_alon
         if stream["interrupt"] == "prefill":
             patch.setattr(engine.runner, "prefill", interrupting(engine.runner.prefill))
         elif stream["interrupt"] == "sample":
-            patch.setattr(engine_module, "sample_batch", interrupting(engine_module.sample_batch))
+            patch.setattr(tokens_module, "sample_batch", interrupting(tokens_module.sample_batch))
         arrivals = sorted(stream["units"], key=lambda u: u[0])
         bound = 50 + 4 * sum(len(p) + ps.max_new_tokens * max(ps.n, ps.num_beams) for _, p, ps in arrivals)
         step = 0
