@@ -65,31 +65,27 @@ class ModelRunner:
         vocab]: the target's distribution after each draft. The backend runs it as any decode
         step; ``BlockManager.truncate`` later takes back the rejected drafts' slots."""
         lengths = [len(tokens) for tokens in token_lists]
-        rows = sum(lengths)
         if self.trace is not None:
-            self.trace.append(("verify", rows))
-        width = max(len(self.cache.block_tables[s]) for s in seq_ids)
-        padded = self.backend.padded_rows(rows)
-        step = self.cache.step(seq_ids, lengths, pad_rows_to=padded, pad_width_to=self.backend.padded_width(width),
-                               row_per_token=True)
-        token_ids = torch.tensor([t for tokens in token_lists for t in tokens] + [0] * (padded - rows),
-                                 device=self.model.device)
-        logits = self.backend.decode(token_ids, step)[:rows]
-        self.cache.manager.advance(seq_ids, lengths)
-        return logits
+            self.trace.append(("verify", sum(lengths)))
+        token_ids = torch.tensor([t for tokens in token_lists for t in tokens], device=self.model.device)
+        return self._rows(seq_ids, lengths, token_ids)
 
     @torch.inference_mode()
     def decode(self, seq_ids: Sequence[int], tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
         """One step for rows whose sequences already hold room for one more token: feed
         ``tokens[i]`` to ``seq_ids[i]``; return logits [len(seq_ids), vocab]."""
-        rows = len(seq_ids)
         if self.trace is not None:
-            self.trace.append(("decode", rows))
+            self.trace.append(("decode", len(seq_ids)))
+        return self._rows(seq_ids, [1] * len(seq_ids), torch.as_tensor(tokens, device=self.model.device).view(-1))
+
+    def _rows(self, seq_ids: Sequence[int], lengths: list[int], token_ids: torch.Tensor) -> torch.Tensor:
+        """The backend's decode step over ``lengths[i]`` new tokens of each sequence, a row per
+        token (one each: a plain decode step), padded to the backend's shapes."""
+        rows = len(token_ids)
         width = max(len(self.cache.block_tables[s]) for s in seq_ids)
         padded = self.backend.padded_rows(rows)
-        step = self.cache.step(seq_ids, [1] * rows, pad_rows_to=padded,
-                               pad_width_to=self.backend.padded_width(width))
-        token_ids = torch.as_tensor(tokens, device=self.model.device).view(-1)
+        step = self.cache.step(seq_ids, lengths, pad_rows_to=padded, pad_width_to=self.backend.padded_width(width),
+                               row_per_token=True)
         if padded > rows:
             token_ids = torch.cat([token_ids, token_ids.new_zeros(padded - rows)])
         kind = "rows=1" if rows == 1 else "rows>1"
@@ -97,5 +93,5 @@ class ModelRunner:
         logits = self.backend.decode(token_ids, step)[:rows]
         if self.backend.compiles and kind not in self.compile_seconds:
             self.compile_seconds[kind] = time.perf_counter() - start
-        self.cache.manager.advance(seq_ids, [1] * rows)
+        self.cache.manager.advance(seq_ids, lengths)
         return logits

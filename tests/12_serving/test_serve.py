@@ -32,7 +32,7 @@ from minillm import Engine, SamplingParams, Tokenizer, load_model
 from minillm.engine.request import Completion
 
 from helpers.checkpoints import tiny_hf_checkpoint
-from helpers.serving import Served, serving
+from helpers.serving import Served, serving, wait_until_healthy
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "SmolLM2-135M-Instruct"
@@ -478,15 +478,7 @@ def test_the_serve_command_answers_and_stops_on_ctrl_c(tiny_folder, tmp_path):
                                stderr=log, text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 300  # the first run compiles the decode step
-        while True:
-            try:
-                if httpx.get(f"{url}/health").json()["status"] == "ok":
-                    break
-            except httpx.TransportError:
-                pass
-            assert process.poll() is None and time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.2)
+        wait_until_healthy(url, process, 300)  # the first run compiles the decode step
         client = OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
         assert [m.id for m in client.models.list().data] == ["tiny"]
         assert client.completions.create(model="tiny", prompt="hi", max_tokens=2).usage.completion_tokens == 2

@@ -17,10 +17,10 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 from helpers.checkpoints import tiny_hf_checkpoint
+from helpers.serving import wait_until_healthy
 from helpers.tp_ranks import engine_requests, run_engine
 
 from minillm import Engine, load_model
@@ -143,15 +143,7 @@ def test_serve_tensor_parallel_answers_the_openai_client_as_one_process(folder, 
     server = subprocess.Popen([sys.executable, "-m", "minillm", "serve", "--model", str(folder), "--port", str(port),
                                "--tensor-parallel", "2"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=log)
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").json()["status"] == "ok":
-                    break
-            except httpx.TransportError:
-                pass
-            assert server.poll() is None and time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.2)
+        wait_until_healthy(f"http://127.0.0.1:{port}", server, 240)
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
         texts = [client.completions.create(model="tiny", prompt=r["prompt"], max_tokens=16, temperature=0).choices[0].text
                  for r in map(json.loads, one_process_output.splitlines())]

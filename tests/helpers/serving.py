@@ -138,3 +138,16 @@ def serve_command(model: Path, log_path: Path, *args: str, host: str = "127.0.0.
             process.kill()
         process.wait(30)
         log.close()
+
+
+def wait_until_healthy(url: str, process: subprocess.Popen, seconds: float) -> None:
+    """Poll ``url``/health until the server started as ``process`` says "ok" (it may compile first)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            if httpx.get(f"{url}/health").json()["status"] == "ok":
+                return
+        except httpx.TransportError:
+            pass
+        assert process.poll() is None and time.monotonic() < deadline, "the server did not come up"
+        time.sleep(0.2)
